@@ -1,0 +1,213 @@
+"""The speculator contract: one interface every drafter implements, and the registry.
+
+After llama.cpp's `common_speculative` (see the seeds): a speculator is told when a sequence
+starts (`begin`), sees every token the target commits (`process`), proposes drafts for all
+drafting sequences at once (`draft`), learns how many of its tokens the target accepted
+(`accept`) and when the sequence ends (`end`).
+
+One instance serves every sequence of an engine (state keyed by `seq_id`), so state that is
+meant to be shared across sequences and requests (ngram_mod's hash pool, the suffix drafter's
+global tree of past responses) is naturally shared.
+
+Vocabulary used throughout:
+- *draft*: the tokens a speculator proposes after a sequence's last token.
+- *accepted*: draft tokens the target verified; the target then adds one token of its own
+  (the bonus token when all were accepted, the correction otherwise).
+- *expected accepted tokens* (`Draft.expected_accepted`): the speculator's own estimate of how
+  many of the draft's tokens the target will accept; the chain uses it to pick a winner.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar
+
+import torch
+
+
+@dataclass(slots=True)
+class DraftParams:
+    """Per-sequence limits for one draft (llama.cpp's n_max / n_min / p_min)."""
+
+    n_max: int = 16  # longest draft to propose (already capped by context and max_tokens)
+    n_min: int = 0  # drafts shorter than this are dropped
+    p_min: float = 0.0  # stop drafting where the drafter's confidence falls below this
+
+    def __post_init__(self) -> None:
+        if self.n_max < 0:
+            raise ValueError(f"n_max must be >= 0, got {self.n_max}")
+        if self.n_min < 0:
+            raise ValueError(f"n_min must be >= 0, got {self.n_min}")
+        if self.n_min > self.n_max and self.n_max > 0:
+            raise ValueError(f"n_min ({self.n_min}) must not exceed n_max ({self.n_max})")
+        if not 0.0 <= self.p_min <= 1.0:
+            raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """What a speculator gets to draft for one sequence.
+
+    `token_ids` is the sequence's whole history: prompt, generated tokens, and as its last
+    element the token the target sampled most recently (not yet in the target's KV cache).
+    The draft continues after `token_ids[-1]`. Read-only: speculators must not mutate it.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    params: DraftParams
+
+
+@dataclass(slots=True)
+class Draft:
+    """A proposal for one sequence."""
+
+    token_ids: list[int]
+    # Expected number of draft tokens the target accepts (0..len(token_ids)); None lets the
+    # chain estimate it from this speculator's measured acceptance per position.
+    expected_accepted: float | None = None
+    # Draft distribution q at each draft position, for rejection sampling; None means the
+    # draft is deterministic (treated as one-hot by the verifier).
+    probs: torch.Tensor | None = None  # [len(token_ids), vocab_size]
+    # Drafter's probability of each drafted token (confidence), where it has one.
+    token_probs: list[float] | None = None
+    source: str = ""  # name of the speculator that made it (set by the chain)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class CommittedTokens:
+    """Tokens the target just committed to its KV cache for one sequence.
+
+    `start_pos` is the position of `token_ids[0]`; everything before it was committed earlier.
+    A sequence can appear with `start_pos` smaller than what the speculator saw before: that
+    happens only after a rollback, and the speculator must forget positions >= start_pos.
+    """
+
+    seq_id: int
+    start_pos: int
+    token_ids: list[int]
+    # Hidden states the target produced for these tokens, for model drafters (MTP, EAGLE-3,
+    # DFlash); None unless the speculator declared `needs_hidden_states`.
+    hidden_states: torch.Tensor | None = None  # [len(token_ids), hidden_size]
+
+
+@dataclass(slots=True)
+class SpeculatorContext:
+    """What a speculator may know about the engine it serves (never the engine itself)."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    max_seq_len: int = 8192
+    device: str = "cpu"
+
+
+class Speculator(ABC):
+    """Base class of every drafter. Subclasses set `name` and register with `@register`.
+
+    Capabilities are class attributes, never name checks in the engine:
+    - `needs_hidden_states`: `process` must receive the target's hidden states.
+    - `provides_probs`: drafts carry `probs`, so rejection sampling can use them.
+    - `is_model_based`: drafting runs a neural network (costs real time per token).
+    """
+
+    name: ClassVar[str] = ""
+    needs_hidden_states: ClassVar[bool] = False
+    provides_probs: ClassVar[bool] = False
+    is_model_based: ClassVar[bool] = False
+
+    @abstractmethod
+    def begin(self, seq_id: int, prompt_ids: list[int]) -> None:
+        """A sequence starts with this prompt. Raises ValueError if seq_id is already active."""
+
+    def process(self, batch: list[CommittedTokens]) -> None:
+        """Mirror what the target committed (prompt chunks and accepted tokens)."""
+
+    @abstractmethod
+    def draft(self, requests: list[DraftRequest]) -> dict[int, Draft]:
+        """Propose drafts for these sequences; a sequence with nothing to propose is omitted."""
+
+    @abstractmethod
+    def accept(self, seq_id: int, num_accepted: int, is_other: bool) -> None:
+        """The target accepted `num_accepted` tokens of the last draft made for `seq_id`.
+
+        `is_other` is True when the draft that was verified came from another speculator of
+        the chain (this one's proposal, if any, lost), so `num_accepted` refers to that draft.
+        """
+
+    @abstractmethod
+    def end(self, seq_id: int) -> None:
+        """The sequence finished or was aborted; release its state (no-op if unknown)."""
+
+    def save(self) -> None:
+        """Persist state that outlives the process (ngram_cache files); default: nothing."""
+
+
+SpeculatorFactory = Callable[[SpeculatorContext, dict], Speculator]
+
+_REGISTRY: dict[str, type[Speculator]] = {}
+
+
+def register(cls: type[Speculator]) -> type[Speculator]:
+    """Class decorator: make a speculator available by its `name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"speculator {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_names() -> list[str]:
+    from speculant.spec import _load_builtin  # noqa: F401  (import for side effect: registration)
+
+    return sorted(_REGISTRY)
+
+
+def speculator_class(name: str) -> type[Speculator]:
+    names = registered_names()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown speculator type {name!r}; known: {', '.join(names)}")
+    return _REGISTRY[name]
+
+
+@dataclass(slots=True)
+class SpeculatorStats:
+    """Counters kept per speculator, as llama.cpp's `common_speculative_state` keeps them."""
+
+    num_calls_begin: int = 0
+    num_calls_draft: int = 0
+    num_calls_accept: int = 0
+    num_drafts: int = 0  # drafts proposed (n_gen_drafts)
+    num_drafts_accepted: int = 0  # verified drafts with at least one accepted token (n_acc_drafts)
+    num_drafts_won: int = 0  # drafts chosen by the chain and verified
+    num_draft_tokens: int = 0  # tokens in verified drafts (n_gen_tokens)
+    num_accepted_tokens: int = 0  # n_acc_tokens
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted count at draft position i
+    drafted_per_pos: list[int] = field(default_factory=list)  # verified drafts reaching position i
+    time_begin_s: float = 0.0
+    time_draft_s: float = 0.0
+    time_accept_s: float = 0.0
+    time_process_s: float = 0.0
+
+    def record_verified(self, draft_len: int, num_accepted: int) -> None:
+        self.num_drafts_won += 1
+        self.num_draft_tokens += draft_len
+        self.num_accepted_tokens += num_accepted
+        self.num_drafts_accepted += int(num_accepted > 0)
+        grow = draft_len - len(self.drafted_per_pos)
+        if grow > 0:
+            self.drafted_per_pos.extend([0] * grow)
+            self.accepted_per_pos.extend([0] * grow)
+        for i in range(draft_len):
+            self.drafted_per_pos[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in self.__slots__}
