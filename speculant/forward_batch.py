@@ -1,0 +1,81 @@
+"""One ragged batch for one model forward: tokens of many sequences, each at its own positions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculant.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """A run of consecutive tokens of one sequence, starting at KV position `start_pos`."""
+
+    seq_id: int
+    start_pos: int
+    token_ids: list[int]
+    num_logits: int = 1  # logits wanted for the last `num_logits` tokens of the chunk (0 = none)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, flat KV slot each token's K/V is written to
+    block_tables: torch.Tensor  # [S, max_blocks] int32, row s = blocks of chunk s's sequence
+    token_seq: torch.Tensor  # [T] int32, row of block_tables for each token
+    logits_indices: torch.Tensor  # [R] int64, token rows whose logits are computed
+    cu_num_tokens: list[int]  # [S + 1] prefix sums of chunk lengths
+    cu_num_logits: list[int]  # [S + 1] prefix sums of logits rows per chunk
+    hidden_layers: tuple[int, ...] = ()  # layers whose output hidden states are returned
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def build_forward_batch(cache: KVCache, chunks: list[SeqChunk], device="cpu",
+                        hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
+    """Reserve KV room for every chunk and lay the batch out as flat tensors.
+
+    Raises CacheFullError (nothing reserved for later chunks) if the cache cannot hold them.
+    """
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    token_seq: list[int] = []
+    logits_indices: list[int] = []
+    cu_tokens, cu_logits = [0], [0]
+    tables: list[list[int]] = []
+    for row, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        if n == 0:
+            raise ValueError(f"sequence {chunk.seq_id}: empty chunk")
+        cache.reserve(chunk.seq_id, chunk.start_pos + n)
+        base = len(token_ids)
+        token_ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start_pos, chunk.start_pos + n))
+        slots.extend(cache.slots(chunk.seq_id, chunk.start_pos, n))
+        token_seq.extend([row] * n)
+        logits_indices.extend(range(base + n - chunk.num_logits, base + n))
+        cu_tokens.append(base + n)
+        cu_logits.append(len(logits_indices))
+        tables.append(cache.block_table(chunk.seq_id))
+    max_blocks = max(len(t) for t in tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+
+    def as_tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return ForwardBatch(
+        token_ids=as_tensor(token_ids, torch.int64),
+        positions=as_tensor(positions, torch.int64),
+        slot_mapping=as_tensor(slots, torch.int64),
+        block_tables=as_tensor(padded, torch.int32),
+        token_seq=as_tensor(token_seq, torch.int32),
+        logits_indices=as_tensor(logits_indices, torch.int64),
+        cu_num_tokens=cu_tokens,
+        cu_num_logits=cu_logits,
+        hidden_layers=hidden_layers,
+    )

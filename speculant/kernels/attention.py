@@ -1,0 +1,79 @@
+"""Causal attention of a ragged batch of query tokens over a paged KV cache."""
+from __future__ import annotations
+
+import torch
+
+from speculant.kernels.native import load_ops
+
+FALLBACK_TOKEN_CHUNK = 64  # query tokens gathered at once by the fallback (bounds its memory)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
+    block_tables: torch.Tensor,  # [S, max_blocks] int32, row s = cache blocks of sequence s
+    token_seq: torch.Tensor,  # [T] int32, row of block_tables for each query token
+    token_pos: torch.Tensor,  # [T] int32, position of each query token in its sequence
+    scale: float,
+    *,
+    native: bool | None = None,
+) -> torch.Tensor:
+    """softmax(scale * q k^T) v per query token and head; returns [T, Hq, D] float32.
+
+    Token t attends to positions 0..token_pos[t] (inclusive) of its sequence; position p lives at
+    row p % block_size of cache block block_tables[token_seq[t], p // block_size]. The caller has
+    already written the batch's own K/V into the cache. Query head h reads KV head
+    h // (Hq // Hkv) (grouped-query attention).
+
+    Runs natively (csrc/attention.cpp) when every tensor is on the CPU, head_dim is a multiple of
+    8 and `native_available()`; each (token, head) output then depends only on its own query and
+    its sequence's cache, bit for bit, whatever else is in the batch. `native=False` forces the
+    PyTorch fallback, which runs on any device and is exact to fp32 rounding but, as its
+    reductions are torch's, not guaranteed bit-identical across batch compositions.
+    """
+    ops = None if native is False else _native_ops(q, k_cache)
+    if ops is None and native:
+        raise RuntimeError("native paged_attention requested but unavailable for these inputs")
+    if ops is not None:
+        return ops.paged_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
+                                   block_tables.to(torch.int32).contiguous(),
+                                   token_seq.to(torch.int32).contiguous(),
+                                   token_pos.to(torch.int32).contiguous(), float(scale))
+    return _fallback(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale)
+
+
+def _native_ops(q: torch.Tensor, k_cache: torch.Tensor):
+    if q.device.type != "cpu" or k_cache.device.type != "cpu" or q.shape[-1] % 8:
+        return None
+    return load_ops()
+
+
+def _fallback(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale) -> torch.Tensor:
+    num_tokens = q.shape[0]
+    out = torch.empty_like(q)
+    for t0 in range(0, num_tokens, FALLBACK_TOKEN_CHUNK):
+        t1 = min(num_tokens, t0 + FALLBACK_TOKEN_CHUNK)
+        out[t0:t1] = _attend_chunk(q[t0:t1], k_cache, v_cache, block_tables,
+                                   token_seq[t0:t1].long(), token_pos[t0:t1].long(), scale)
+    return out
+
+
+def _attend_chunk(q, k_cache, v_cache, block_tables, seq, pos, scale) -> torch.Tensor:
+    # q [T, Hq, D]; seq, pos [T] int64 -> [T, Hq, D]
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    length = int(pos.max()) + 1  # one host sync per chunk: the fallback is not the fast path
+    p = torch.arange(length, device=q.device)  # [L]
+    blocks = block_tables.long()[seq][:, p // block_size]  # [T, L]
+    slots = blocks * block_size + p % block_size  # [T, L]
+    k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # [T, L, Hkv, D]
+    v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, Hkv, group, D]
+    scores = torch.einsum("tkgd,tlkd->tkgl", qg, k) * scale  # [T, Hkv, group, L]
+    future = p[None, :] > pos[:, None]  # [T, L]
+    scores = scores.masked_fill(future[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("tkgl,tlkd->tkgd", probs, v)  # [T, Hkv, group, D]
+    return out.reshape(num_tokens, num_heads, head_dim)

@@ -1,0 +1,133 @@
+"""Micro-benchmark of the kernels at SmolLM2-135M's shapes: µs per call (median).
+
+    python -m speculant.kernels.bench [--ms 1,4,8,16] [--budget 0.1] [--threads N]
+
+For each weight matrix: the native kernel at every M, the PyTorch fallback at M=1, and fp32
+`F.linear` (MKL) on the dequantized weight for reference; then paged attention over a 128-token
+context. The last stdout line is one JSON object with every number.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+from speculant.kernels import PackedLinear, native_available, paged_attention
+
+# (name, out_features, in_features, qtype) as SmolLM2-135M-Instruct Q4_1 GGUF runs them
+SHAPES = (
+    ("qkv", 960, 576, "Q4_1"),
+    ("attn_output", 576, 576, "Q4_1"),
+    ("gate_up", 3072, 576, "Q4_1"),
+    ("down", 576, 1536, "Q4_1"),
+    ("lm_head", 49152, 576, "Q8_0"),
+)
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    ms: str = "1,4,8,16"  # activation rows (tokens) per call
+    budget: float = 0.1  # seconds of timed calls per cell
+    threads: int = 0  # torch.set_num_threads; 0 keeps torch's default
+    context: int = 128  # attention: KV positions before the query tokens
+
+    def __post_init__(self):
+        if not self.row_counts or min(self.row_counts) < 1:
+            raise ValueError(f"--ms must list positive row counts, got {self.ms!r}")
+        if self.budget <= 0:
+            raise ValueError(f"--budget must be positive, got {self.budget}")
+
+    @property
+    def row_counts(self) -> list[int]:
+        return [int(m) for m in self.ms.split(",") if m]
+
+
+def median_us(fn, budget: float) -> float:
+    """Median wall time of fn() in µs, over as many calls as fit in `budget` seconds (>= 5)."""
+    fn()  # warm-up (first-call allocation, page faults)
+    start = time.perf_counter()
+    fn()
+    reps = max(5, int(budget / max(time.perf_counter() - start, 1e-6)))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def bench_linear(cfg: BenchConfig) -> list[dict]:
+    rows = []
+    for name, out_features, in_features, qtype in SHAPES:
+        w = PackedLinear.from_float(torch.randn(out_features, in_features) * 0.05, qtype)
+        dense = w.dequantize()  # [out, in]
+        row = {"shape": name, "out": out_features, "in": in_features, "qtype": qtype}
+        for m in cfg.row_counts:
+            x = torch.randn(m, in_features)
+            if native_available():
+                row[f"native_m{m}"] = median_us(lambda: w(x), cfg.budget)
+            row[f"fp32_m{m}"] = median_us(lambda: F.linear(x, dense), cfg.budget)
+        x1 = torch.randn(1, in_features)
+        row["fallback_m1"] = median_us(lambda: w(x1, native=False), cfg.budget)
+        rows.append(row)
+    return rows
+
+
+def bench_attention(cfg: BenchConfig) -> dict:
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    row = {"shape": f"attention ctx={cfg.context}"}
+    for m in cfg.row_counts:
+        length = cfg.context + m
+        num_blocks = -(-length // block_size)
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(num_blocks, dtype=torch.int32)[None]  # [1, num_blocks]
+        q = torch.randn(m, heads, head_dim)
+        seq = torch.zeros(m, dtype=torch.int32)
+        pos = torch.arange(cfg.context, length, dtype=torch.int32)
+        args = (q, k_cache, v_cache, tables, seq, pos, head_dim ** -0.5)
+        if native_available():
+            row[f"native_m{m}"] = median_us(lambda: paged_attention(*args), cfg.budget)
+        row[f"fallback_m{m}"] = median_us(lambda: paged_attention(*args, native=False),
+                                          cfg.budget)
+    return row
+
+
+def print_table(rows: list[dict], ms: list[int]) -> None:
+    cols = [f"native_m{m}" for m in ms] + [f"fp32_m{m}" for m in ms] + ["fallback_m1"]
+    cols += [f"fallback_m{m}" for m in ms if m != 1]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    print(f"{'shape':<22}" + "".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        label = f"{r['shape']} {r.get('qtype', '')}".strip()
+        cells = "".join(f"{r[c]:>14.1f}" if c in r else f"{'':>14}" for c in cols)
+        print(f"{label:<22}{cells}")
+
+
+def parse_args() -> BenchConfig:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for f in fields(BenchConfig):
+        parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default)
+    return BenchConfig(**vars(parser.parse_args()))
+
+
+def main() -> None:
+    cfg = parse_args()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(0)
+    rows = bench_linear(cfg) + [bench_attention(cfg)]
+    print(f"µs per call (median), {torch.get_num_threads()} threads, "
+          f"native={'yes' if native_available() else 'no'}")
+    print_table(rows, cfg.row_counts)
+    print(json.dumps({"threads": torch.get_num_threads(), "native": native_available(),
+                      "results": rows}))
+
+
+if __name__ == "__main__":
+    main()

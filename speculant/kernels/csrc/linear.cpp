@@ -1,0 +1,330 @@
+// Batch-invariant linear kernels over 8-row-interleaved weights (AVX2 / FMA / F16C).
+//
+// Weight layouts, with G = ceil(out_features / 8) groups of 8 output rows (the last group padded
+// with zero rows) and nb = in_features / 32 blocks per row:
+//   Q4_0, Q4_1  weight uint8 [G, nb, 128]: four 32-byte chunks v, each holding for row r = 0..7
+//               the GGML bytes 4v..4v+3 of that row's block (low nibbles = elements 4v..4v+3,
+//               high nibbles = elements 16+4v..19+4v); scales (and Q4_1 mins) fp16 [G, nb, 8]
+//   Q8_0        weight int8 [G, nb, 256]: eight chunks c, row r holding elements 4c..4c+3;
+//               scales fp16 [G, nb, 8]
+//   F32, F16    weight [G, in_features, 8]: for each input feature, the 8 rows side by side
+// Because every 32-bit lane holds 4 weights of one row, one vpmaddubsw against a broadcast 4-byte
+// chunk of the activation block yields partial dots of all 8 rows at once, with no horizontal
+// reduction; the 8 fp16 scales of a block convert in one vcvtph2ps.
+//
+// Activations are quantized on the fly, row by row, to int8 blocks of 32 with an fp32 scale and
+// the block's integer sum (Q8_1-style: it carries Q4_0's -8 offset and Q4_1's min term).
+//
+// Batch invariance: one output element accumulates its blocks (or, for F32/F16, its even and odd
+// input features) in ascending order with the same instruction sequence whatever M or the row
+// tile is. Row i of the output is therefore bit-identical however many rows are computed with it,
+// and at whatever position. Up to kRowTile activation rows share each loaded weight block.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "simd.h"
+
+namespace speculant {
+namespace {
+
+constexpr int kRowTile = 4;    // activation rows sharing one pass over a weight group
+constexpr int64_t kBlock = 32;  // GGML block length
+
+// One activation matrix quantized block by block (per row, so rows never influence each other).
+struct QuantizedActs {
+  std::vector<int8_t> q;    // [M, K]
+  std::vector<float> d;     // [M, nb] block scale: x ~= d * q
+  std::vector<float> dsum;  // [M, nb] d * sum(q), Q4_1's min term
+  std::vector<int32_t> sum;  // [M, nb] sum(q), Q4_0's offset term
+};
+
+// Raw pointers into QuantizedActs for the kernels' inner loops (no aliasing with their stores).
+struct ActsView {
+  const int8_t* q;
+  const float* d;
+  const float* dsum;
+  const int32_t* sum;
+};
+
+// An empty asm that claims to modify v: the integer sums then accumulate in program order in a
+// register. Without it GCC computes all products of a block first and spills them to the stack.
+inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* dsum, int32_t* sum) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+    }
+    const float max_abs = hmax(amax);
+    const float scale = max_abs / 127.0f;
+    const __m256 inv = _mm256_set1_ps(max_abs != 0.0f ? 127.0f / max_abs : 0.0f);
+    __m256i iv[4];
+    for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // to even
+    const int32_t block_sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]),
+                                                        _mm256_add_epi32(iv[2], iv[3])));
+    // packs interleave 128-bit lanes; the permute puts the 32 bytes back in element order
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                              _mm256_packs_epi32(iv[2], iv[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(packed, order));
+    d[b] = scale;
+    dsum[b] = scale * static_cast<float>(block_sum);
+    sum[b] = block_sum;
+  }
+}
+
+void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& a) {
+  const int64_t nb = K / kBlock;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.dsum.resize(M * nb);
+  a.sum.resize(M * nb);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      quantize_row(x + m * K, nb, a.q.data() + m * K, a.d.data() + m * nb,
+                   a.dsum.data() + m * nb, a.sum.data() + m * nb);
+    }
+  });
+}
+
+// Q4_0 (kHasMin = false: w = d * (q - 8)) and Q4_1 (kHasMin = true: w = d * q + m).
+template <bool kHasMin>
+struct Q4Kernel {
+  const uint8_t* weight;   // [G, nb, 128]
+  const uint16_t* scales;  // [G, nb, 8] fp16
+  const uint16_t* mins;    // [G, nb, 8] fp16, Q4_1 only
+  ActsView acts;
+  int64_t nb;
+
+  template <int MR>
+  void tile(int64_t g, int64_t m0, __m256* out) const {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t nb = this->nb;
+    const int8_t* xq = acts.q + m0 * nb * kBlock;
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t gb = g * nb + b;
+      const uint8_t* wq = weight + gb * 128;
+      // 4-bit x int8 products summed in int16: at most 8 * 2 * 15 * 127 = 30480, no overflow
+      __m256i sums[MR];
+      for (int v = 0; v < 4; ++v) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * v));
+        const __m256i lo = _mm256_and_si256(w, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* x = xq + (i * nb + b) * kBlock;
+          const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x, v)),
+                                             _mm256_maddubs_epi16(hi, broadcast4(x, v + 4)));
+          sums[i] = v == 0 ? s : _mm256_add_epi16(sums[i], s);
+          keep_in_register(sums[i]);
+        }
+      }
+      const __m256 wd = load8(scales + gb * 8);
+      const __m256 wm = kHasMin ? load8(mins + gb * 8) : wd;
+      for (int i = 0; i < MR; ++i) {
+        const int64_t xb = (m0 + i) * nb + b;  // this row's block in the activation arrays
+        __m256i dot = _mm256_madd_epi16(sums[i], ones);  // [8 rows] int32
+        if constexpr (!kHasMin) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * acts.sum[xb]));
+        const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(acts.d[xb]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
+        if constexpr (kHasMin) acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(acts.dsum[xb]), acc[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) out[i] = acc[i];
+  }
+};
+
+// Q8_0: w = d * q with signed q; vpmaddubsw needs one unsigned operand, so it multiplies |w| by
+// x carrying w's sign (each int16 pair sum stays within 2 * 128 * 127).
+struct Q8Kernel {
+  const int8_t* weight;    // [G, nb, 256]
+  const uint16_t* scales;  // [G, nb, 8] fp16
+  ActsView acts;
+  int64_t nb;
+
+  template <int MR>
+  void tile(int64_t g, int64_t m0, __m256* out) const {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t nb = this->nb;
+    const int8_t* xq = acts.q + m0 * nb * kBlock;
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t gb = g * nb + b;
+      const int8_t* wq = weight + gb * 256;
+      __m256i dot[MR];
+      for (int i = 0; i < MR; ++i) dot[i] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * c));
+        const __m256i w_abs = _mm256_abs_epi8(w);
+        for (int i = 0; i < MR; ++i) {
+          const __m256i x = _mm256_sign_epi8(broadcast4(xq + (i * nb + b) * kBlock, c), w);
+          dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
+          keep_in_register(dot[i]);
+        }
+      }
+      const __m256 wd = load8(scales + gb * 8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(acts.d[(m0 + i) * nb + b]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), scale, acc[i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) out[i] = acc[i];
+  }
+};
+
+// F32 / F16 weights against fp32 activations: two FMA chains (even and odd input features) per
+// output vector, added once at the end.
+template <typename T>
+struct FloatKernel {
+  const T* weight;  // [G, K, 8]
+  const float* x;   // [M, K]
+  int64_t K;
+
+  template <int MR>
+  void tile(int64_t g, int64_t m0, __m256* out) const {
+    const int64_t K = this->K;
+    const T* w = weight + g * K * 8;
+    const float* xr = x + m0 * K;
+    __m256 even[MR], odd[MR];
+    for (int i = 0; i < MR; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 <= K; k += 2) {
+      const __m256 w0 = load8(w + k * 8);
+      const __m256 w1 = load8(w + (k + 1) * 8);
+      for (int i = 0; i < MR; ++i) {
+        even[i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[i * K + k]), even[i]);
+        odd[i] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[i * K + k + 1]), odd[i]);
+      }
+    }
+    if (k < K) {
+      const __m256 w0 = load8(w + k * 8);
+      for (int i = 0; i < MR; ++i) even[i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[i * K + k]), even[i]);
+    }
+    for (int i = 0; i < MR; ++i) out[i] = _mm256_add_ps(even[i], odd[i]);
+  }
+};
+
+template <int MR, typename Kernel>
+void tile_and_store(const Kernel& kernel, int64_t g, int64_t m0, int64_t N, float* out) {
+  __m256 acc[MR];
+  kernel.template tile<MR>(g, m0, acc);
+  const int64_t n0 = g * 8;
+  for (int i = 0; i < MR; ++i) {
+    float* dst = out + (m0 + i) * N + n0;
+    if (n0 + 8 <= N) {
+      _mm256_storeu_ps(dst, acc[i]);
+    } else {  // last group: only the rows that exist
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[i]);
+      std::copy(tmp, tmp + (N - n0), dst);
+    }
+  }
+}
+
+// Splits the weight groups across threads; each thread walks its groups, and for each group all M
+// rows in tiles of kRowTile, so a group's weights are read from memory once and then from L1.
+template <typename Kernel>
+void run(const Kernel& kernel, int64_t M, int64_t N, int64_t group_bytes, float* out) {
+  const int64_t G = (N + 7) / 8;
+  // at least ~32 KB of weights (or of work, for large M) per task, so small matrices skip threading
+  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * std::max<int64_t>(M, 1)));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t m = 0;
+      for (; m + kRowTile <= M; m += kRowTile) tile_and_store<kRowTile>(kernel, g, m, N, out);
+      switch (M - m) {
+        case 3: tile_and_store<3>(kernel, g, m, N, out); break;
+        case 2: tile_and_store<2>(kernel, g, m, N, out); break;
+        case 1: tile_and_store<1>(kernel, g, m, N, out); break;
+        default: break;
+      }
+    }
+  });
+}
+
+const uint16_t* half_bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::Half>());
+}
+
+void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t G, int64_t inner,
+                 int64_t last, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype,
+              "speculant::packed_linear: ", name, " must be a contiguous CPU ", dtype, " tensor");
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == G && t.size(1) == inner && t.size(2) == last,
+              "speculant::packed_linear: ", name, " has shape ", t.sizes(), ", expected [", G,
+              ", ", inner, ", ", last, "]");
+}
+
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& scales,
+                         const std::optional<at::Tensor>& mins, std::string_view qtype,
+                         int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "speculant::packed_linear: x must be a contiguous 2-D float32 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, G = (N + 7) / 8;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  float* y = out.data_ptr<float>();
+
+  if (qtype == "F32" || qtype == "F16") {
+    const bool f32 = qtype == "F32";
+    check_param(weight, f32 ? at::kFloat : at::kHalf, G, K, 8, "weight");
+    if (f32) {
+      FloatKernel<float> k{weight.const_data_ptr<float>(), x.const_data_ptr<float>(), K};
+      run(k, M, N, K * 8 * 4, y);
+    } else {
+      FloatKernel<uint16_t> k{half_bits(weight), x.const_data_ptr<float>(), K};
+      run(k, M, N, K * 8 * 2, y);
+    }
+    return out;
+  }
+
+  TORCH_CHECK(qtype == "Q4_0" || qtype == "Q4_1" || qtype == "Q8_0",
+              "speculant::packed_linear: unknown qtype ", qtype);
+  TORCH_CHECK(K % kBlock == 0, "speculant::packed_linear: in_features ", K,
+              " is not a multiple of 32");
+  const int64_t nb = K / kBlock;
+  TORCH_CHECK(scales.has_value(), "speculant::packed_linear: ", qtype, " needs scales");
+  check_param(*scales, at::kHalf, G, nb, 8, "scales");
+  thread_local QuantizedActs acts;  // reused across calls: no allocation on the decode path
+  quantize_acts(x.const_data_ptr<float>(), M, K, acts);
+  const ActsView view{acts.q.data(), acts.d.data(), acts.dsum.data(), acts.sum.data()};
+
+  if (qtype == "Q8_0") {
+    check_param(weight, at::kChar, G, nb, 256, "weight");
+    Q8Kernel k{weight.const_data_ptr<int8_t>(), half_bits(*scales), view, nb};
+    run(k, M, N, nb * (256 + 16), y);
+  } else if (qtype == "Q4_0") {
+    check_param(weight, at::kByte, G, nb, 128, "weight");
+    Q4Kernel<false> k{weight.const_data_ptr<uint8_t>(), half_bits(*scales), nullptr, view, nb};
+    run(k, M, N, nb * (128 + 16), y);
+  } else {
+    check_param(weight, at::kByte, G, nb, 128, "weight");
+    TORCH_CHECK(mins.has_value(), "speculant::packed_linear: Q4_1 needs mins");
+    check_param(*mins, at::kHalf, G, nb, 8, "mins");
+    Q4Kernel<true> k{weight.const_data_ptr<uint8_t>(), half_bits(*scales), half_bits(*mins),
+                     view, nb};
+    run(k, M, N, nb * (128 + 32), y);
+  }
+  return out;
+}
+
+}  // namespace speculant

@@ -1,0 +1,138 @@
+"""The HTTP application, built by `create_app`: all state lives in the app, none in modules.
+
+`create_app(engine_or_config)` wraps an `Engine` (or builds one from an `EngineConfig`) in an
+`EngineLoop` thread that starts and stops with the app's lifespan, so the same app runs under
+uvicorn (`speculant serve`) or any ASGI test client.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from speculant.engine_config import EngineConfig
+from speculant.server.engine_loop import EngineLoop
+from speculant.server.errors import ApiError, validation_error
+from speculant.server.metrics import ServerMetrics
+from speculant.server.routes import add_routes
+
+log = logging.getLogger("speculant.server")
+
+DEFAULT_MODEL_NAME = "default"  # always accepted in a request's `model`
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+
+
+@dataclass(slots=True)
+class ServerState:
+    """What the route handlers share: the engine thread, metrics, and the model's identity."""
+
+    loop: EngineLoop
+    metrics: ServerMetrics
+    tokenizer: object  # speculant.tokenizer.Tokenizer; thread-safe for encode / decode
+    model_id: str
+    max_model_len: int
+    speculators: tuple[str, ...]  # loaded in the engine's chain
+    model_names: frozenset[str] = frozenset()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise ApiError(404, f"model {name!r} not found: this server serves "
+                           f"{self.model_id!r} (or use {DEFAULT_MODEL_NAME!r})",
+                           param="model", code="model_not_found")
+
+
+def create_app(engine_or_config, api_key: str | None = None,
+               model_id: str | None = None) -> FastAPI:
+    """An app serving `engine_or_config` (an `Engine`, or an `EngineConfig` to build one).
+
+    `api_key`: when set, every path but `/health` needs `Authorization: Bearer <api_key>`.
+    `model_id`: the name `/v1/models` reports (default: the model file or folder name).
+    """
+    engine = engine_or_config
+    if isinstance(engine_or_config, EngineConfig):
+        from speculant.engine import Engine
+
+        engine = Engine(engine_or_config)
+    metrics = ServerMetrics()
+    model_id = model_id or _model_id(engine.model_path)
+    state = ServerState(
+        loop=EngineLoop(engine, on_finish=metrics.observe_finished), metrics=metrics,
+        tokenizer=engine.tokenizer, model_id=model_id, max_model_len=engine.max_model_len,
+        speculators=tuple(engine.chain.names),
+        model_names=frozenset({model_id, DEFAULT_MODEL_NAME, engine.config.model}))
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state.loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.loop.stop)
+
+    app = FastAPI(title="speculant", description="OpenAI-compatible speculative decoding server",
+                  lifespan=lifespan)
+    app.state.server = state
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+    add_routes(app)
+    return app
+
+
+def _model_id(model_path: str) -> str:
+    name = os.path.basename(os.path.normpath(model_path))
+    return name.removesuffix(".gguf") or DEFAULT_MODEL_NAME
+
+
+class ApiKeyMiddleware:
+    """Refuses (401) any request to a path outside `OPEN_PATHS` without the bearer key."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._expected):
+                error = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer "
+                                 "<key>'", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def api_error(request: Request, exc: ApiError):
+        if exc.status < 500:
+            request.app.state.server.metrics.rejected.labels(exc.code or "invalid_request").inc()
+        return exc.response()
+
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        return await api_error(request, validation_error(exc.errors()))
+
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return ApiError(exc.status_code, message, type=kind,
+                        headers=getattr(exc, "headers", None)).response()
+
+    async def server_error(_request: Request, exc: Exception):
+        log.error("unhandled error", exc_info=exc)
+        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}",
+                        type="server_error").response()
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)

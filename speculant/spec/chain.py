@@ -1,0 +1,199 @@
+"""The chain: several speculators at once, one winning draft per sequence.
+
+Every speculator a sequence may use proposes; the chain scores each proposal by its expected
+accepted tokens net of the cost of verifying it (see `acceptance.py`), trims it to the length
+worth verifying, and keeps the best. The winner is told `accept(n)`, the other proposers
+`accept(n, is_other=True)`. Drafts that keep failing shrink the per-sequence acceptance
+estimates, so the chain backs off to shorter drafts or none; every `probe_interval` silent steps a
+one-token probe lets a sequence whose text became predictable win drafts again.
+
+The chain also keeps the statistics of each speculator (calls, drafts, tokens, acceptance per
+position, time in each call), as llama.cpp's `common_speculative` does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from speculant.spec.acceptance import (
+    AcceptanceCounts,
+    conditional_rates,
+    net_gain,
+    survival,
+    worth_drafting,
+)
+from speculant.spec.base import CommittedTokens, Draft, DraftRequest, Speculator, SpeculatorStats
+
+
+@dataclass(slots=True)
+class _SeqState:
+    types: tuple[str, ...]
+    counts: dict[str, AcceptanceCounts] = field(default_factory=dict)
+    proposers: tuple[str, ...] = ()  # speculators that proposed in the last draft round
+    winner: Draft | None = None
+    silent_steps: int = 0  # consecutive draft rounds without a verified draft
+
+
+class SpeculatorChain:
+    def __init__(self, speculators: list[Speculator], probe_interval: int = 8):
+        names = [s.name for s in speculators]
+        if len(set(names)) != len(names):
+            raise ValueError(f"speculator listed twice in the chain: {names}")
+        self.speculators = {s.name: s for s in speculators}
+        self.stats = {name: SpeculatorStats() for name in names}
+        self.counts = {name: AcceptanceCounts() for name in names}
+        self.probe_interval = probe_interval
+        self._seqs: dict[int, _SeqState] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.speculators)
+
+    def check_types(self, types) -> tuple[str, ...]:
+        unknown = [t for t in types if t not in self.speculators]
+        if unknown:
+            loaded = ", ".join(self.speculators) or "none"
+            raise ValueError(f"speculator type(s) {unknown} not loaded in this engine (loaded: {loaded})")
+        return tuple(types)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def begin(self, seq_id: int, prompt_ids: list[int], types: tuple[str, ...]) -> None:
+        if seq_id in self._seqs:
+            raise ValueError(f"chain: sequence {seq_id} already begun")
+        types = self.check_types(types)
+        self._seqs[seq_id] = _SeqState(types, {t: AcceptanceCounts() for t in types})
+        for name in types:
+            with self._timed(name, "begin"):
+                self.speculators[name].begin(seq_id, prompt_ids)
+
+    def process(self, batch: list[CommittedTokens]) -> None:
+        for name, spec in self.speculators.items():
+            mine = [c for c in batch if c.seq_id in self._seqs and name in self._seqs[c.seq_id].types]
+            if mine:
+                with self._timed(name, "process"):
+                    spec.process(mine)
+
+    def end(self, seq_id: int) -> None:
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        for name in state.types:
+            self.speculators[name].end(seq_id)
+
+    # ---- drafting ----------------------------------------------------------------------------
+
+    def draft(self, requests: list[DraftRequest], cost_per_token: float) -> dict[int, Draft]:
+        """One round: every allowed speculator drafts for its sequences; the best draft wins."""
+        proposals: dict[int, list[Draft]] = {r.seq_id: [] for r in requests}
+        for name, spec in self.speculators.items():
+            mine = [r for r in requests if name in self._seqs[r.seq_id].types]
+            if not mine:
+                continue
+            with self._timed(name, "draft"):
+                drafts = spec.draft(mine)
+            for seq_id, d in drafts.items():
+                if len(d) > 0:
+                    d.source = name
+                    proposals[seq_id].append(d)
+                    self.stats[name].num_drafts += 1
+        by_id = {r.seq_id: r for r in requests}
+        winners: dict[int, Draft] = {}
+        for seq_id, drafts in proposals.items():
+            state = self._seqs[seq_id]
+            state.proposers = tuple(d.source for d in drafts)
+            best = self._pick(state, drafts, by_id[seq_id].params.n_min, cost_per_token)
+            state.winner = best
+            if best is None:
+                state.silent_steps += 1
+            else:
+                state.silent_steps = 0
+                winners[seq_id] = best
+        return winners
+
+    def _pick(self, state: _SeqState, drafts: list[Draft], n_min: int,
+              cost_per_token: float) -> Draft | None:
+        best, best_gain = None, 0.0
+        for d in drafts:
+            surv = survival(self._rates(state, d))
+            length = worth_drafting(surv, cost_per_token)
+            if length == 0 and state.silent_steps >= self.probe_interval:
+                length = 1  # probe: one cheap token keeps the estimate honest
+            if length == 0 or length < n_min:
+                continue
+            gain = net_gain(surv, length, cost_per_token)
+            if d.expected_accepted is not None:
+                # The drafter's own estimate and the track record, weighed equally.
+                gain = 0.5 * (gain + min(d.expected_accepted, length) - cost_per_token * length)
+            if best is None or gain > best_gain:
+                best, best_gain = _trimmed(d, length), gain
+        return best
+
+    def _rates(self, state: _SeqState, d: Draft) -> list[float]:
+        rates = conditional_rates(self.counts[d.source], state.counts.get(d.source), len(d))
+        if d.token_probs is not None:
+            rates = [0.5 * (r + p) for r, p in zip(rates, d.token_probs)]
+        return rates
+
+    def accept(self, seq_id: int, num_accepted: int) -> None:
+        """The winning draft of `seq_id` had `num_accepted` tokens accepted."""
+        state = self._seqs[seq_id]
+        winner = state.winner
+        if winner is None:
+            raise ValueError(f"chain: sequence {seq_id} has no draft to accept")
+        if not 0 <= num_accepted <= len(winner):
+            raise ValueError(f"chain: {num_accepted} accepted of a {len(winner)}-token draft")
+        self.stats[winner.source].record_verified(len(winner), num_accepted)
+        self.counts[winner.source].record(len(winner), num_accepted)
+        state.counts[winner.source].record(len(winner), num_accepted)
+        for name in state.proposers:
+            with self._timed(name, "accept"):
+                self.speculators[name].accept(seq_id, num_accepted, name != winner.source)
+        state.winner = None
+
+    def save(self) -> None:
+        for spec in self.speculators.values():
+            spec.save()
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _timed(self, name: str, call: str):
+        return _CallTimer(self.stats[name], call)
+
+
+def _trimmed(d: Draft, length: int) -> Draft:
+    if length >= len(d):
+        return d
+    return Draft(
+        token_ids=d.token_ids[:length],
+        expected_accepted=None if d.expected_accepted is None else min(d.expected_accepted, length),
+        probs=None if d.probs is None else d.probs[:length],
+        token_probs=None if d.token_probs is None else d.token_probs[:length],
+        source=d.source,
+    )
+
+
+class _CallTimer:
+    __slots__ = ("stats", "call", "t0")
+
+    def __init__(self, stats: SpeculatorStats, call: str):
+        self.stats, self.call = stats, call
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        elapsed = time.perf_counter() - self.t0
+        s = self.stats
+        if self.call == "begin":
+            s.num_calls_begin += 1
+            s.time_begin_s += elapsed
+        elif self.call == "draft":
+            s.num_calls_draft += 1
+            s.time_draft_s += elapsed
+        elif self.call == "accept":
+            s.num_calls_accept += 1
+            s.time_accept_s += elapsed
+        else:
+            s.time_process_s += elapsed
+        return False

@@ -1,0 +1,111 @@
+"""The speculator chain: winner by expected gain, accept/is_other routing, backoff, statistics."""
+import pytest
+
+from speculant.spec.acceptance import AcceptanceCounts, net_gain, survival, worth_drafting
+from speculant.spec.base import Draft, DraftParams, DraftRequest, Speculator
+from speculant.spec.chain import SpeculatorChain
+
+
+class Fixed(Speculator):
+    """Always proposes the same draft; records what the chain tells it."""
+
+    def __init__(self, name, tokens, expected=None):
+        self.name = name
+        self.tokens = tokens
+        self.expected = expected
+        self.accepts = []
+        self.begun = set()
+
+    def begin(self, seq_id, prompt_ids):
+        self.begun.add(seq_id)
+
+    def draft(self, requests):
+        return {r.seq_id: Draft(list(self.tokens), expected_accepted=self.expected) for r in requests}
+
+    def accept(self, seq_id, num_accepted, is_other):
+        self.accepts.append((seq_id, num_accepted, is_other))
+
+    def end(self, seq_id):
+        self.begun.discard(seq_id)
+
+
+def request(seq_id=0, n_max=8, n_min=0):
+    return DraftRequest(seq_id, [1, 2, 3], DraftParams(n_max=n_max, n_min=n_min))
+
+
+@pytest.mark.parametrize("rates, cost, expected_len", [
+    ([0.9, 0.9, 0.9], 0.1, 3),  # every position pays for itself
+    ([0.9, 0.1, 0.9], 0.1, 1),  # survival after position 2 is 0.09 < cost
+    ([0.05], 0.1, 0),  # not even the first token is worth verifying
+])
+def test_worth_drafting_stops_where_survival_falls_below_cost(rates, cost, expected_len):
+    assert worth_drafting(survival(rates), cost) == expected_len
+
+
+def test_net_gain_is_expected_accepted_minus_cost():
+    surv = survival([0.5, 0.5])
+    assert net_gain(surv, 2, 0.1) == pytest.approx(0.5 + 0.25 - 0.2)
+
+
+def test_counts_track_reached_and_accepted_positions():
+    counts = AcceptanceCounts()
+    counts.record(draft_len=4, num_accepted=2)  # positions 0,1 accepted; 2 reached and rejected
+    assert counts.reached == [1, 1, 1, 0]
+    assert counts.accepted == [1, 1, 0, 0]
+
+
+def test_winner_is_the_draft_with_highest_expected_gain_and_others_are_told_is_other():
+    short = Fixed("short", [5], expected=1.0)
+    long_ = Fixed("long", [5, 6, 7, 8], expected=4.0)
+    chain = SpeculatorChain([short, long_])
+    chain.begin(0, [1, 2], ("short", "long"))
+    winner = chain.draft([request()], cost_per_token=0.01)[0]
+    assert winner.source == "long"
+    chain.accept(0, 3)
+    assert long_.accepts == [(0, 3, False)]
+    assert short.accepts == [(0, 3, True)]
+    assert chain.stats["long"].num_accepted_tokens == 3
+    assert chain.stats["long"].accepted_per_pos == [1, 1, 1, 0]
+    assert chain.stats["short"].num_drafts == 1 and chain.stats["short"].num_drafts_won == 0
+
+
+def test_sequence_only_uses_its_allowed_speculators():
+    a, b = Fixed("a", [1]), Fixed("b", [2, 3])
+    chain = SpeculatorChain([a, b])
+    chain.begin(0, [1], ("a",))
+    assert chain.draft([request()], 0.01)[0].source == "a"
+    assert 0 not in b.begun
+
+
+def test_failing_drafts_back_off_to_nothing_then_probe():
+    spec = Fixed("bad", [9, 9, 9, 9])
+    chain = SpeculatorChain([spec], probe_interval=3)
+    chain.begin(0, [1], ("bad",))
+    lengths = []
+    for _ in range(12):
+        d = chain.draft([request()], cost_per_token=0.2).get(0)
+        lengths.append(0 if d is None else len(d))
+        if d is not None:
+            chain.accept(0, 0)
+    assert lengths[0] == 2  # prior a_i = 0.5: survival 0.5, 0.25 > cost 0.2 > 0.125
+    assert 0 in lengths  # backed off completely after failures
+    assert max(lengths[4:]) == 1  # only one-token probes afterwards
+
+
+def test_n_min_drops_short_drafts():
+    chain = SpeculatorChain([Fixed("a", [1, 2])])
+    chain.begin(0, [1], ("a",))
+    assert chain.draft([request(n_min=3)], 0.01) == {}
+
+
+def test_lifecycle_misuse_is_loud():
+    chain = SpeculatorChain([Fixed("a", [1])])
+    with pytest.raises(ValueError, match="not loaded"):
+        chain.begin(0, [1], ("zzz",))
+    chain.begin(0, [1], ("a",))
+    with pytest.raises(ValueError, match="already begun"):
+        chain.begin(0, [1], ("a",))
+    with pytest.raises(ValueError, match="no draft"):
+        chain.accept(0, 1)
+    chain.end(0)
+    chain.end(0)  # ending twice is harmless

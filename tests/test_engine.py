@@ -1,0 +1,120 @@
+"""The engine on the default model: batching invariance, stopping, seeds, abort, bad input."""
+import pytest
+
+from speculant.sampling_params import SamplingParams, SpecParams
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain recursion in one sentence.",
+    "What is 12 times 7?",
+    "Name a famous painter.",
+    "Say hello in Spanish.",
+    "Why do cats purr?",
+]
+PLAIN = SpecParams(enabled=False)
+
+
+def chat(engine, text):
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
+def run(engine, prompts, params, max_num_seqs=8):
+    engine.scheduler.max_num_seqs = max_num_seqs
+    seqs = [engine.add_request(chat(engine, p), params) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    for s in seqs:
+        engine.release(s)
+    return seqs
+
+
+def test_eight_prompts_batched_equal_each_alone(default_engine):
+    """Batch invariance: a sequence's greedy tokens do not depend on its neighbours."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, spec=PLAIN)
+    batched = [s.output_ids for s in run(default_engine, PROMPTS, params)]
+    alone = [run(default_engine, [p], params)[0].output_ids for p in PROMPTS]
+    assert batched == alone
+
+
+def test_request_joining_mid_run_gets_the_same_tokens(default_engine):
+    """Continuous batching: a request admitted while another decodes is unaffected by it."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, spec=PLAIN)
+    alone = run(default_engine, [PROMPTS[1]], params)[0].output_ids
+    first = default_engine.add_request(chat(default_engine, PROMPTS[0]), params)
+    for _ in range(5):
+        default_engine.step()
+    late = default_engine.add_request(chat(default_engine, PROMPTS[1]), params)
+    while default_engine.has_unfinished():
+        default_engine.step()
+    assert late.output_ids == alone
+    default_engine.release(first)
+    default_engine.release(late)
+
+
+def test_max_tokens_and_length_finish(default_engine):
+    s = run(default_engine, [PROMPTS[3]], SamplingParams(max_tokens=5, temperature=0.0,
+                                                         ignore_eos=True, spec=PLAIN))[0]
+    assert s.num_generated == 5 and s.finish_reason == "length"
+
+
+def test_eos_stops_generation(default_engine):
+    s = run(default_engine, [PROMPTS[4]], SamplingParams(max_tokens=200, temperature=0.0, spec=PLAIN))[0]
+    assert s.finish_reason == "stop" and s.output_ids[-1] == default_engine.tokenizer.eos_token_id
+
+
+def test_stop_string_truncates_text(default_engine):
+    params = SamplingParams(max_tokens=40, temperature=0.0, spec=PLAIN)
+    full = default_engine.output_text(run(default_engine, [PROMPTS[0]], params)[0])
+    stop = full.split()[2]  # a word from the middle of the answer
+    s = run(default_engine, [PROMPTS[0]], SamplingParams(max_tokens=40, temperature=0.0,
+                                                        stop=[stop], spec=PLAIN))[0]
+    text = default_engine.output_text(s)
+    assert s.finish_reason == "stop" and stop not in text and full.startswith(text)
+
+
+def test_stop_token_ids(default_engine):
+    params = SamplingParams(max_tokens=30, temperature=0.0, spec=PLAIN)
+    full = run(default_engine, [PROMPTS[0]], params)[0].output_ids
+    s = run(default_engine, [PROMPTS[0]], SamplingParams(max_tokens=30, temperature=0.0,
+                                                        stop_token_ids=[full[3]], spec=PLAIN))[0]
+    assert s.output_ids == full[:full.index(full[3]) + 1]
+
+
+def test_same_seed_same_output_and_different_seed_differs(default_engine):
+    def sample(seed):
+        p = SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True, spec=PLAIN)
+        return run(default_engine, [PROMPTS[1]], p)[0].output_ids
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+
+
+def test_abort_frees_the_kv_cache(default_engine):
+    cache = default_engine.cache
+    free_before = cache.num_free_blocks
+    s = default_engine.add_request(chat(default_engine, PROMPTS[0]),
+                                   SamplingParams(max_tokens=50, temperature=0.0, spec=PLAIN))
+    default_engine.step()
+    assert cache.num_free_blocks < free_before
+    assert default_engine.abort(s.request_id)
+    assert s.finish_reason == "abort" and cache.num_free_blocks == free_before
+    assert not default_engine.has_unfinished()
+    default_engine.release(s)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", SamplingParams(), "empty"),  # nothing to condition on
+    ("x " * 9000, SamplingParams(), "context"),  # longer than the model's context
+    ("hi", SamplingParams(spec=SpecParams(types=["nope"])), "not loaded"),  # unknown speculator
+    ("hi", SamplingParams(temperature=0.7, spec=SpecParams(verify="greedy")), "temperature 0"),
+])
+def test_bad_requests_are_refused_with_a_reason(default_engine, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        default_engine.add_request(prompt, params)
+    assert not default_engine.has_unfinished()
+
+
+def test_out_of_vocabulary_token_ids_are_refused(default_engine):
+    with pytest.raises(ValueError, match="vocabulary"):
+        default_engine.add_request([1, 2, 10**7], SamplingParams())

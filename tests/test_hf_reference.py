@@ -1,0 +1,54 @@
+"""The default model against Hugging Face transformers (same GGUF, fp32)."""
+import os
+
+import pytest
+import torch
+
+from conftest import dev_prompts
+from speculant.forward_batch import SeqChunk, build_forward_batch
+from speculant.hf_peer import load_hf_model
+from speculant.loader import default_model_path, load_model
+from speculant.model import Model
+from speculant.prompt_set import first_turn_prompt
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return load_hf_model(default_model_path())
+
+
+def forward_logits(model, ids):
+    cache = model.new_kv_cache(num_blocks=64, block_size=16)
+    cache.allocate(0)
+    batch = build_forward_batch(cache, [SeqChunk(0, 0, ids, num_logits=len(ids))])
+    return model.forward(batch, cache).logits
+
+
+def test_fp32_logits_match_transformers(hf):
+    hf_model, hf_tok = hf
+    loaded = load_model("default", dtype="float32")
+    model = Model(loaded.config, loaded.weights)
+    ids = hf_tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}],
+                                     add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert (forward_logits(model, ids) - ref).abs().max().item() < 1e-3
+
+
+def test_fp32_greedy_64_tokens_identical_to_transformers_on_10_dev_prompts(hf):
+    from speculant.llm import LLM
+    from speculant.sampling_params import SamplingParams, SpecParams
+
+    hf_model, _ = hf
+    llm = LLM("default", dtype="float32", max_num_seqs=10)
+    recs = dev_prompts(["mt_bench", "qa", "summarization", "code_completion", "gsm8k"], 2)
+    prompts = [first_turn_prompt(r, llm.tokenizer) for r in recs]
+    ours = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0,
+                                                spec=SpecParams(enabled=False)))
+    for prompt, out in zip(prompts, ours):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=2,
+                                    attention_mask=torch.ones_like(ids), pad_token_id=0)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist()
