@@ -16,7 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights: auto keeps GGUF quantization; float32 inflates to fp32")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    g.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV cache capacity in tokens")
+    g.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV cache capacity in tokens")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward")
     s = p.add_argument_group("speculation")
     s.add_argument("--spec-type", default="none",

@@ -24,7 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 16  # sequences decoded together
     max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks are cut to fit)
     max_model_len: int | None = None  # None = the model's context length
-    kv_cache_tokens: int = 65536  # KV capacity shared by all sequences
+    kv_cache_tokens: int = 32768  # KV capacity shared by all sequences
     block_size: int = 16
     # Speculation: speculators loaded (the chain), and the default draft limits per request.
     spec_type: list[str] = field(default_factory=list)

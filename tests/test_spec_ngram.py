@@ -3,8 +3,14 @@ import random
 
 import pytest
 
-from speculant.spec import CommittedTokens, DraftParams, DraftRequest, SpeculatorContext, speculator_class
-from speculant.spec.ngram_cache import build_table, load_table, save_table
+from speculant.spec import (
+    CommittedTokens,
+    DraftParams,
+    DraftRequest,
+    SpeculatorContext,
+    speculator_class,
+)
+from speculant.spec.ngram_cache import build_table, load_table, prune_table, save_table
 from speculant.spec.ngram_match import NgramIndex, common_prefix_len
 
 CTX = SpeculatorContext(vocab_size=100)
@@ -55,11 +61,23 @@ def test_ngram_index_truncate_undoes_extend():
     rng = random.Random(0)
     tokens = [rng.randrange(4) for _ in range(200)]
     index = NgramIndex(3)
-    index.extend(tokens, 0)
+    index.extend(tokens)
     index.truncate(tokens, 120)
     fresh = NgramIndex(3)
-    fresh.extend(tokens[:120], 0)
-    assert index.positions == fresh.positions
+    fresh.extend(tokens[:120])
+    assert index.last == fresh.last and index.prev == fresh.prev
+
+
+@pytest.mark.parametrize("tokens, key, limit, expected", [
+    ([1, 2, 1, 2, 1, 2], (1, 2), 10, [4, 2, 0]),  # all occurrences, newest first
+    ([1, 2, 1, 2, 1, 2], (1, 2), 3, [2, 0]),  # only those starting at or before the limit
+    ([1, 2, 3], (2, 1), 10, []),  # absent key
+])
+def test_ngram_index_occurrences(tokens, key, limit, expected):
+    index = NgramIndex(2)
+    index.extend(tokens[:2])
+    index.extend(tokens)  # grown in two steps
+    assert list(index.occurrences(key, limit)) == expected
 
 
 # ---- ngram_simple ----------------------------------------------------------------------------
@@ -150,7 +168,7 @@ def test_ngram_map_k4v_drafts_dominant_value_not_most_recent():
     assert draft_ids("ngram_map_k4v", history) == [3, 4]
 
 
-# ---- ngram_mod -------------------------------------------------------------------------------------
+# ---- ngram_mod -----------------------------------------------------------------------------
 
 OTHER_MOD = [1, 2, 3, 4, 5, 6, 7, 8]  # prompt of another sequence, in the shared pool
 
@@ -173,6 +191,19 @@ def test_ngram_mod(history, cfg, params, expected):
     spec.begin(1, history[:-1])
     d = draft(spec, history, seq_id=1, **params)
     assert (d and d.token_ids) == expected
+
+
+def test_ngram_mod_hash_is_llama_cpp_lcg():
+    """An n-gram's slot is llama.cpp's: (t0*A^2 + t1*A + t2) mod 2^64 mod pool size, A the LCG
+    factor; the rolling hash over the history agrees with it at every position."""
+    spec = make("ngram_mod")
+    tokens = list(range(10, 60))  # no 3-gram repeats
+    spec.begin(0, tokens)
+    a, size = 6364136223846793005, spec.config.pool_size
+    for i in range(len(tokens) - 3):
+        t0, t1, t2 = tokens[i:i + 3]
+        slot = ((t0 * a * a + t1 * a + t2) % (1 << 64)) % size
+        assert spec._pool[slot] == tokens[i + 3]
 
 
 def test_ngram_mod_pool_is_shared_across_sequences():
@@ -254,6 +285,18 @@ def test_ngram_cache_dynamic_spans_requests():
     assert draft(spec, [9, 9, 40, 41, 42], seq_id=1).token_ids[:2] == [43, 44]
 
 
+def test_ngram_cache_dynamic_is_bounded():
+    """Past max_dynamic_ngrams, the least observed n-grams go first."""
+    table = {(1,): {2: 5}, (2,): {3: 1}, (3,): {4: 1, 5: 1}, (4,): {1: 1}}
+    prune_table(table, 2)
+    assert table == {(1,): {2: 5}, (3,): {4: 1, 5: 1}}
+    spec = make("ngram_cache", max_dynamic_ngrams=100)
+    spec.begin(0, list(range(10)) * 5 + list(range(100, 140)))  # repeated part, then singletons
+    spec.end(0)
+    assert 0 < len(spec.dynamic) <= 75
+    assert (3, 4) in spec.dynamic and (120, 121) not in spec.dynamic
+
+
 def test_ngram_cache_static_cache(tmp_path):
     """A static cache built from a corpus drafts with no context evidence at all."""
     path = str(tmp_path / "static.bin")
@@ -280,7 +323,8 @@ def test_ngram_cache_save_load_round_trip(tmp_path):
 
 @pytest.mark.parametrize("content, field", [
     (b"not a cache", "lookup_cache_static"),  # wrong magic
-    (b"SPNGRAM1" + (5).to_bytes(4, "little"), "lookup_cache_dynamic"),  # 5 n-grams announced, none there
+    # 5 n-grams announced, none there
+    (b"SPNGRAM1" + (5).to_bytes(4, "little"), "lookup_cache_dynamic"),
     (b"SPNGRAM1\x01\x00", "lookup_cache_static"),  # size not a multiple of 4
 ])
 def test_ngram_cache_corrupt_file_names_path(tmp_path, content, field):
@@ -296,7 +340,7 @@ def test_ngram_cache_missing_static_names_path(tmp_path):
         make("ngram_cache", lookup_cache_static=path)
 
 
-# ---- lifecycle and rollback, every model-free drafter ------------------------------------------------
+# ---- lifecycle and rollback, every model-free drafter --------------------------------------
 
 @pytest.mark.parametrize("name", MODEL_FREE)
 def test_begin_twice_names_the_sequence(name):
@@ -365,3 +409,27 @@ def test_drafts_on_cold_prompt_that_is_copied(name):
     spec.begin(0, prompt)
     d = draft(spec, prompt + answer[:6], n_max=4)
     assert d is not None and d.token_ids == answer[6:6 + len(d)] and len(d) >= 1
+
+
+@pytest.mark.parametrize("name", MODEL_FREE)
+def test_default_config_drafts_copied_span(name):
+    """With llama.cpp's / vLLM's defaults, a long copied span of a cold prompt is drafted."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(100) for _ in range(200)]
+    answer = prompt[20:120]
+    spec = speculator_class(name)(CTX, None)
+    spec.begin(0, prompt)
+    d = draft(spec, prompt + answer[:30], n_max=16)
+    assert d is not None and len(d) >= 1 and d.token_ids == answer[30:30 + len(d)]
+
+
+@pytest.mark.parametrize("name", MODEL_FREE)
+def test_draft_stops_at_eos(name):
+    """Nothing after an end-of-sequence token is drafted."""
+    cls = speculator_class(name)
+    spec = cls(SpeculatorContext(vocab_size=100, eos_token_ids=(2,)),
+               cls.config_class(**SMALL[name]))
+    prompt = [5, 6, 7, 8, 9, 2, 11, 12, 13, 14, 15, 16] * 2
+    spec.begin(0, prompt)
+    d = draft(spec, prompt + [5, 6, 7, 8], n_max=8)
+    assert d is not None and d.token_ids[-1] == 2 and 2 not in d.token_ids[:-1]

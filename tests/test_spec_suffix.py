@@ -96,7 +96,8 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 def draft(spec, history, seq_id=0, n_max=16, p_min=0.0):
-    return spec.draft([DraftRequest(seq_id, list(history), DraftParams(n_max, 0, p_min))]).get(seq_id)
+    request = DraftRequest(seq_id, list(history), DraftParams(n_max, 0, p_min))
+    return spec.draft([request]).get(seq_id)
 
 
 @pytest.mark.parametrize("history, cfg, n_max, expected_ids, expected_probs", [

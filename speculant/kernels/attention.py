@@ -1,6 +1,8 @@
 """Causal attention of a ragged batch of query tokens over a paged KV cache."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from speculant.kernels.native import load_ops
@@ -26,27 +28,30 @@ def paged_attention(
     already written the batch's own K/V into the cache. Query head h reads KV head
     h // (Hq // Hkv) (grouped-query attention).
 
-    Runs natively (csrc/attention.cpp) when every tensor is on the CPU, head_dim is a multiple of
-    8 and `native_available()`; each (token, head) output then depends only on its own query and
+    Runs natively (csrc/attention.cpp) when the tensors are on the CPU, head_dim is a multiple of
+    8 and `native_available()` (the index tensors must then be int32, as documented above); each (token, head) output then depends only on its own query and
     its sequence's cache, bit for bit, whatever else is in the batch. `native=False` forces the
     PyTorch fallback, which runs on any device and is exact to fp32 rounding but, as its
     reductions are torch's, not guaranteed bit-identical across batch compositions.
     """
-    ops = None if native is False else _native_ops(q, k_cache)
-    if ops is None and native:
+    op = None if native is False else _native_op(q, k_cache)
+    if op is None and native:
         raise RuntimeError("native paged_attention requested but unavailable for these inputs")
-    if ops is not None:
-        return ops.paged_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(),
-                                   block_tables.to(torch.int32).contiguous(),
-                                   token_seq.to(torch.int32).contiguous(),
-                                   token_pos.to(torch.int32).contiguous(), float(scale))
+    if op is not None:
+        return op(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale)
     return _fallback(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale)
 
 
-def _native_ops(q: torch.Tensor, k_cache: torch.Tensor):
-    if q.device.type != "cpu" or k_cache.device.type != "cpu" or q.shape[-1] % 8:
+def _native_op(q: torch.Tensor, k_cache: torch.Tensor):
+    if not (q.is_cpu and k_cache.is_cpu) or q.shape[-1] % 8:
         return None
-    return load_ops()
+    return _native_attention_op()
+
+
+@functools.cache
+def _native_attention_op():
+    ops = load_ops()
+    return None if ops is None else ops.paged_attention.default
 
 
 def _fallback(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """PackedLinear: a weight matrix kept in its compact (quantized or half) form, and its matmul."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -113,15 +115,15 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor, *, native: bool | None = None) -> torch.Tensor:
         """x [..., in] float32 -> [..., out] float32. `native=None` picks the native kernel when it
         can run (CPU weights, extension available); False forces the PyTorch fallback."""
-        lead = x.shape[:-1]
+        op = self._native_op(native)
+        if x.dim() == 2 and op is not None:  # the decode hot path: nothing else in Python
+            return op(x, self.data, self.scales, self.mins, self.qtype, self.out_features)
         x2 = x.reshape(-1, self.in_features)  # [M, in]
-        ops = self._native_ops(native)
-        if ops is not None:
-            out = ops.packed_linear(x2.contiguous(), self.data, self.scales, self.mins,
-                                    self.qtype, self.out_features)
+        if op is not None:
+            out = op(x2, self.data, self.scales, self.mins, self.qtype, self.out_features)
         else:
             out = self._fallback(x2.float())
-        return out.reshape(*lead, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32, bit-identical to gguf.quants.dequantize of the original blocks."""
@@ -161,16 +163,15 @@ class PackedLinear:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _native_ops(self, native: bool | None):
-        if native is False or self.data.device.type != "cpu":
-            if native:
-                raise RuntimeError(f"native kernels need CPU weights, these are on {self.device}")
+    def _native_op(self, native: bool | None):
+        if native is False:
             return None
-        ops = load_ops()
-        if ops is None and native:
-            raise RuntimeError("native kernels requested but unavailable "
-                               "(SPECULANT_NATIVE=0, CPU without AVX2/FMA/F16C, or build failure)")
-        return ops
+        op = _native_linear_op() if self.data.is_cpu else None
+        if op is None and native:
+            raise RuntimeError(f"native kernels requested but unavailable for {self} "
+                               "(SPECULANT_NATIVE=0, CPU without AVX2/FMA/F16C, build failure, "
+                               "or weights not on the CPU)")
+        return op
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         # x [M, in] float32 -> [M, out]; weights dequantized a slab of groups at a time
@@ -207,6 +208,12 @@ class PackedLinear:
         # [out, in] in the stored dtype
         g, k, _ = self.data.shape
         return self.data.transpose(1, 2).reshape(g * ROWS_PER_GROUP, k)[: self.out_features]
+
+
+@functools.cache
+def _native_linear_op():
+    ops = load_ops()
+    return None if ops is None else ops.packed_linear.default
 
 
 def _group_rows(t: torch.Tensor) -> torch.Tensor:

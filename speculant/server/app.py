@@ -50,12 +50,14 @@ class ServerState:
                            param="model", code="model_not_found")
 
 
-def create_app(engine_or_config, api_key: str | None = None,
-               model_id: str | None = None) -> FastAPI:
+def create_app(engine_or_config, api_key: str | None = None, model_id: str | None = None,
+               max_queue: int | None = None) -> FastAPI:
     """An app serving `engine_or_config` (an `Engine`, or an `EngineConfig` to build one).
 
     `api_key`: when set, every path but `/health` needs `Authorization: Bearer <api_key>`.
     `model_id`: the name `/v1/models` reports (default: the model file or folder name).
+    `max_queue`: requests that may wait for a slot before new ones get 429 (default: the
+    engine's `max_queue`).
     """
     engine = engine_or_config
     if isinstance(engine_or_config, EngineConfig):
@@ -65,7 +67,9 @@ def create_app(engine_or_config, api_key: str | None = None,
     metrics = ServerMetrics()
     model_id = model_id or _model_id(engine.model_path)
     state = ServerState(
-        loop=EngineLoop(engine, on_finish=metrics.observe_finished), metrics=metrics,
+        loop=EngineLoop(engine, max_queue or engine.config.max_queue,
+                        on_finish=metrics.observe_finished),
+        metrics=metrics,
         tokenizer=engine.tokenizer, model_id=model_id, max_model_len=engine.max_model_len,
         speculators=tuple(engine.chain.names),
         model_names=frozenset({model_id, DEFAULT_MODEL_NAME, engine.config.model}))

@@ -27,7 +27,7 @@ from speculant.server.responses import request_timings
 log = logging.getLogger("speculant.server")
 
 
-# ---- events (engine thread -> one request's handler) -------------------------------------------
+# ---- events (engine thread -> one request's handler) ---------------------------------------------
 
 @dataclass(slots=True, frozen=True)
 class Accepted:
@@ -65,7 +65,7 @@ class RequestHandle:
     finished: bool = False  # set by the handler once it has seen `Finished`
 
 
-# ---- commands (handlers -> engine thread) ------------------------------------------------------
+# ---- commands (handlers -> engine thread) --------------------------------------------------------
 
 @dataclass(slots=True)
 class _Add:
@@ -96,15 +96,16 @@ class EngineUnavailable(RuntimeError):
 class EngineLoop:
     """Owns the engine thread. `add`, `abort` and `call` may be used from the event loop."""
 
-    def __init__(self, engine, on_finish: Callable[[Any], None] | None = None):
+    def __init__(self, engine, max_queue: int, on_finish: Callable[[Any], None] | None = None):
         self.engine = engine
+        self.max_queue = max_queue  # requests waiting beyond those the free slots will take
         self.on_finish = on_finish  # called on the engine thread with each finished Sequence
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, tuple[RequestHandle, Any]] = {}  # request id -> (handle, seq)
         self._slot_of: dict[str, int] = {}  # request id -> slot index shown by /slots
         self._thread: threading.Thread | None = None
 
-    # ---- lifecycle ---------------------------------------------------------------------------
+    # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None:
@@ -122,7 +123,7 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    # ---- event-loop side ---------------------------------------------------------------------
+    # ---- event-loop side -------------------------------------------------------------------------
 
     async def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                   stream: bool) -> RequestHandle:
@@ -152,7 +153,7 @@ class EngineLoop:
     async def slots(self) -> dict:
         return await self.call(self._slots_now)
 
-    # ---- engine thread -----------------------------------------------------------------------
+    # ---- engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -189,6 +190,11 @@ class EngineLoop:
 
     def _add(self, cmd: _Add) -> None:
         handle = cmd.handle
+        num_queued = self._num_queued()
+        if num_queued >= self.max_queue:
+            _post(handle, Rejected(QueueFullError(
+                f"{num_queued} requests already waiting for a slot; retry later")))
+            return
         try:
             seq = self.engine.add_request(cmd.prompt_ids, cmd.params, handle.request_id)
         except (ValueError, QueueFullError) as exc:
@@ -200,6 +206,13 @@ class EngineLoop:
             return
         self._handles[handle.request_id] = (handle, seq)
         _post(handle, Accepted(seq.num_prompt))
+
+    def _num_queued(self) -> int:
+        """Waiting requests that free slots will not take at the next step. (The scheduler's
+        own `max_queue` also counts requests about to be admitted: a burst of adds between two
+        steps would be refused while slots are free.)"""
+        sched = self.engine.scheduler
+        return len(sched.waiting) - max(0, sched.max_num_seqs - len(sched.running))
 
     def _call(self, cmd: _Call) -> None:
         try:

@@ -39,8 +39,13 @@ def validation_error(errors: list[dict]) -> ApiError:
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", err.get("msg", ""))
             return ApiError(400, f"malformed JSON body: {detail}", code="invalid_json")
-        param = _param(err.get("loc", ()))
+        loc = tuple(err.get("loc", ()))
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden" and loc:  # the last item is the client's name
+            param = _join(_param(loc[:-1]), loc[-1])
+            msg = "unknown field"
+        else:
+            param = _param(loc)
         if not param and err.get("type") == "model_attributes_type":
             msg = "the request body must be a JSON object (sent as Content-Type: application/json)"
         if msg not in by_param.setdefault(param, []):
@@ -52,13 +57,18 @@ def validation_error(errors: list[dict]) -> ApiError:
 
 
 def _param(loc) -> str:
-    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content'."""
+    """('body', 'messages', 0, 'content', 'str') -> 'messages[0].content' (our field names are
+    snake_case; anything else in a location names a union branch)."""
     out = ""
     for i, part in enumerate(loc):
         if i == 0 and part == "body":
             continue
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif _FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS:
-            out += f".{part}" if out else part
+        if isinstance(part, int) or (_FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS):
+            out = _join(out, part)
     return out
+
+
+def _join(path: str, part: str | int) -> str:
+    if isinstance(part, int):
+        return f"{path}[{part}]"
+    return f"{path}.{part}" if path else part

@@ -44,7 +44,8 @@ class ServerMetrics:
                                 "(stop, length, abort = client gone, error)", ["finished_reason"],
                                 registry=r)
         self.rejected = Counter(P + "request_rejected", "Requests refused with a 4xx, by error "
-                                "code (queue_full, invalid_value, model_not_found, ...)", ["reason"], registry=r)
+                                "code (queue_full, invalid_value, model_not_found, ...)",
+                                ["reason"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
         self.generation_tokens = Counter(P + "generation_tokens",
@@ -70,7 +71,8 @@ class ServerMetrics:
         if seq.finish_time is not None:
             self.e2e.observe(seq.finish_time - seq.arrival_time)
             if seq.num_generated > 1:
-                self.tpot.observe((seq.finish_time - seq.first_token_time) / (seq.num_generated - 1))
+                decode_s = seq.finish_time - seq.first_token_time
+                self.tpot.observe(decode_s / (seq.num_generated - 1))
 
     def render(self, snapshot: dict) -> bytes:
         """The exposition text, with engine state from `snapshot` (see `engine_snapshot`)."""

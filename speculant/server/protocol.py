@@ -17,6 +17,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopList = Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
 
 # Field -> the only values accepted (the OpenAI default); anything else is refused by name.
 NEUTRAL_ONLY = {
@@ -75,7 +76,7 @@ class SamplingFields(StrictModel):
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # llama.cpp
     repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)  # llama.cpp
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: NonEmptyStr | StopList | None = None
     ignore_eos: bool = False  # llama.cpp / vLLM
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -95,8 +96,11 @@ class SamplingFields(StrictModel):
             raise ValueError(f"only {shown} is supported (or omit the field)")
         return value
 
+    def max_tokens_for(self, num_prompt: int, max_model_len: int) -> int:
+        return self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """Engine parameters; raises ValueError (the engine's own validation) on bad combinations."""
+        """Engine parameters; raises ValueError (the engine's validation) on bad combinations."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         spec = self.speculative.to_spec_params() if self.speculative else SpecParams()
         return SamplingParams(
@@ -128,9 +132,6 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, list) and min(value) < 0:
             raise ValueError("prompt token ids must be >= 0")
         return value
-
-    def max_tokens_for(self, num_prompt: int, max_model_len: int) -> int:
-        return self.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
 
 
 class TextPart(StrictModel):

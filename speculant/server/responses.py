@@ -22,6 +22,7 @@ def request_timings(seq) -> dict:
     spec = spec_summary(seq)
     # Generation speed counts the tokens after the first one (the first comes with the prompt).
     num_after_first = max(seq.num_generated - 1, 0)
+    per_token_ms = predicted_ms / num_after_first if num_after_first else 0.0
     return {
         "prompt_n": seq.num_prompt,
         "prompt_ms": round(prompt_ms, 3),
@@ -29,8 +30,8 @@ def request_timings(seq) -> dict:
         "prompt_per_second": round(seq.num_prompt / prompt_ms * 1e3, 2) if prompt_ms else 0.0,
         "predicted_n": seq.num_generated,
         "predicted_ms": round(predicted_ms, 3),
-        "predicted_per_token_ms": round(predicted_ms / num_after_first, 3) if num_after_first else 0.0,
-        "predicted_per_second": round(num_after_first / predicted_ms * 1e3, 2) if predicted_ms else 0.0,
+        "predicted_per_token_ms": round(per_token_ms, 3),
+        "predicted_per_second": round(1e3 / per_token_ms, 2) if per_token_ms else 0.0,
         "draft_n": spec["num_draft_tokens"],
         "draft_n_accepted": spec["num_accepted_tokens"],
         "num_drafts": spec["num_drafts"],

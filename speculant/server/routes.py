@@ -76,7 +76,8 @@ async def _generate(request: Request, body: SamplingFields, prompt_ids: list[int
                                  usage(done.num_prompt, done.num_generated), done.timings))
 
 
-async def _submit(state, body: SamplingFields, prompt_ids: list[int], request_id: str) -> RequestHandle:
+async def _submit(state, body: SamplingFields, prompt_ids: list[int],
+                  request_id: str) -> RequestHandle:
     _check_speculative(state, body)
     max_tokens = body.max_tokens_for(len(prompt_ids), state.max_model_len)
     try:

@@ -29,14 +29,21 @@ def run_serve(args) -> int:
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.parallel < 1 or args.max_queue < 1:
+        raise ValueError("--parallel and --max-queue must be >= 1")
     opts = engine_options(args, max_num_seqs=args.parallel)
-    opts["max_queue"] = args.max_queue
+    # The engine's waiting queue also holds requests the free slots are about to take; the
+    # server bounds the requests beyond those (see EngineLoop).
+    opts["max_queue"] = args.max_queue + args.parallel
     t0 = time.perf_counter()
-    app = create_app(EngineConfig(model=args.model, **opts), api_key=args.api_key)
+    app = create_app(EngineConfig(model=args.model, **opts), api_key=args.api_key,
+                     max_queue=args.max_queue)
     state = app.state.server
     print(f"[speculant] loaded {state.model_id} in {time.perf_counter() - t0:.2f} s; speculators: "
           f"{', '.join(state.speculators) or 'none'}; serving on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False)
+    # On shutdown, streams still open after the grace period are cancelled (and aborted).
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                timeout_graceful_shutdown=10)
     return 0

@@ -19,7 +19,12 @@ from array import array
 from dataclasses import dataclass
 
 from speculant.spec.base import Draft, DraftParams, SpeculatorContext, register
-from speculant.spec.ngram_match import MirroredSpeculator, SeqHistory, expected_accepted, limit_draft
+from speculant.spec.ngram_match import (
+    MirroredSpeculator,
+    SeqHistory,
+    expected_accepted,
+    limit_draft,
+)
 
 NgramTable = dict[tuple[int, ...], dict[int, int]]
 
@@ -49,15 +54,22 @@ class NgramCacheConfig:
     - lookup_cache_dynamic = "": file of the dynamic cache, which accumulates every finished
       sequence's n-grams; loaded if it exists, written by `save()`.
     - n_draft = 8: longest draft (a request's n_max caps it further).
+    - max_dynamic_ngrams = 1000000 (ours; llama.cpp's lookup tool runs one prompt per process
+      and never bounds it): when the dynamic cache grows past this many n-grams, the least
+      observed ones are dropped down to 3/4 of it. An n-gram costs ~300 bytes, so the default
+      is ~300 MB; -1 = no limit, 0 = the dynamic cache only holds what its file held.
     """
 
     lookup_cache_static: str = ""
     lookup_cache_dynamic: str = ""
     n_draft: int = 8
+    max_dynamic_ngrams: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.n_draft < 1:
             raise ValueError(f"n_draft must be >= 1, got {self.n_draft}")
+        if self.max_dynamic_ngrams < -1:
+            raise ValueError(f"max_dynamic_ngrams must be >= -1, got {self.max_dynamic_ngrams}")
 
 
 # ---- tables -----------------------------------------------------------------------------------
@@ -93,6 +105,25 @@ def merge_tables(dst: NgramTable, src: NgramTable) -> None:
             continue
         for tok, count in part.items():
             dst_part[tok] = dst_part.get(tok, 0) + count
+
+
+def prune_table(table: NgramTable, max_ngrams: int) -> None:
+    """Drop the n-grams observed least often until at most max_ngrams remain."""
+    if len(table) <= max_ngrams:
+        return
+    totals = {key: sum(part.values()) for key, part in table.items()}
+    by_total: dict[int, int] = {}
+    for total in totals.values():
+        by_total[total] = by_total.get(total, 0) + 1
+    excess, cutoff = len(table) - max_ngrams, 0
+    for total in sorted(by_total):  # drop whole count classes, rarest first
+        if excess <= 0:
+            break
+        excess -= by_total[total]
+        cutoff = total
+    for key, total in totals.items():
+        if total <= cutoff:
+            del table[key]
 
 
 def build_table(corpus: list[list[int]], ngram_size: int = NGRAM_STATIC) -> NgramTable:
@@ -196,7 +227,8 @@ def _try_static(part_static: dict[int, int]) -> tuple[int, float] | None:
     total = sum(part_static.values())
     best = max(part_static, key=part_static.__getitem__)
     count = part_static[best]
-    if total < MIN_SAMPLES_LAX[NGRAM_STATIC - 1] or 100 * count < MIN_PERCENT_LAX[NGRAM_STATIC - 1] * total:
+    size = NGRAM_STATIC
+    if total < MIN_SAMPLES_LAX[size - 1] or 100 * count < MIN_PERCENT_LAX[size - 1] * total:
         return None
     return best, count / total
 
@@ -237,7 +269,8 @@ class NgramCacheSpeculator(MirroredSpeculator):
     Three levels of n-gram statistics:
     - context: the n-grams (1..4 tokens) of this sequence's history, counted incrementally;
     - dynamic: the context caches of every sequence that ended in this process (and whatever
-      the dynamic file held at start), shared by all sequences;
+      the dynamic file held at start), shared by all sequences, bounded by
+      max_dynamic_ngrams;
     - static: counts of 2-grams from a large corpus, loaded from a file, never changed.
     Each draft token comes from the longest context n-gram with enough evidence, else the
     dynamic cache under stricter thresholds, else the static cache; the static counts reweight
@@ -275,7 +308,12 @@ class NgramCacheSpeculator(MirroredSpeculator):
         count_ngrams(state.context, state.tokens, new_len, sign=-1)
 
     def _on_end(self, state: _CacheState) -> None:
+        limit = self.config.max_dynamic_ngrams
+        if limit == 0:
+            return
         merge_tables(self.dynamic, state.context)
+        if limit > 0 and len(self.dynamic) > limit:
+            prune_table(self.dynamic, limit * 3 // 4)
 
     def _draft_one(self, state: _CacheState, params: DraftParams) -> Draft | None:
         n_draft = min(self.config.n_draft, params.n_max)

@@ -1,8 +1,8 @@
 """ngram_map_k and ngram_map_k4v: llama.cpp's n-gram map (key n-gram -> value m-grams)."""
 from __future__ import annotations
 
-from bisect import bisect_right
 from dataclasses import dataclass
+from itertools import islice
 
 from speculant.spec.base import Draft, DraftParams, register
 from speculant.spec.ngram_match import (
@@ -46,7 +46,7 @@ class NgramMapConfig:
 class _MapState(SeqHistory):
     __slots__ = ("index", "value_stats", "last_accepted", "last_draft", "verdict")
 
-    # value_stats: key -> [occurrences counted, [[value m-gram, count], ...]]   (k4v only)
+    # value_stats: key -> [newest occurrence counted, [[value m-gram, count], ...]]   (k4v only)
     # last_accepted: (key, value) -> tokens accepted the last time this value was drafted
     # last_draft: ((key, value), start position, draft ids) of the draft out for verification
     # verdict: last_draft plus its accepted count, until the history shows whether it was
@@ -75,7 +75,7 @@ class _NgramMapSpeculator(MirroredSpeculator):
         state.verdict = None
 
     def _on_extend(self, state: _MapState, old_len: int) -> None:
-        state.index.extend(state.tokens, old_len)
+        state.index.extend(state.tokens)
 
     def _on_truncate(self, state: _MapState, new_len: int) -> None:
         state.index.truncate(state.tokens, new_len)
@@ -103,24 +103,24 @@ class _NgramMapSpeculator(MirroredSpeculator):
     def _propose(self, state: _MapState, stat_key, start: int, draft_ids: list[int]) -> None:
         state.last_draft = (stat_key, start, draft_ids)
 
-    def _occurrences(self, state: _MapState) -> tuple[tuple[int, ...], list[int], int] | None:
-        """The key, its start positions, and how many of them have a full value after them."""
+    def _occurrences(self, state: _MapState) -> tuple[tuple[int, ...], int] | None:
+        """The key and the newest occurrence followed by a full value, if the key has at least
+        min_hits such occurrences."""
         n, m = self.config.size_n, self.config.size_m
         tokens = state.tokens
         if len(tokens) <= n:
             return None
         key = tuple(tokens[-n:])
-        positions = state.index.get(key)
-        if positions is None:
-            return None
         # a full value ends before the last token (the sampled one, which the key ends with)
-        hits = bisect_right(positions, len(tokens) - 1 - n - m)
-        if hits < self.config.min_hits:
+        occurrences = state.index.occurrences(key, len(tokens) - 1 - n - m)
+        found = list(islice(occurrences, self.config.min_hits))
+        if len(found) < self.config.min_hits:
             return None
-        return key, positions, hits
+        return key, found[0]
 
     def _value_len(self, state: _MapState, key, value, params: DraftParams) -> int:
-        return min(self.config.size_m, params.n_max, state.last_accepted.get((key, value), self.config.size_m))
+        m = self.config.size_m
+        return min(m, params.n_max, state.last_accepted.get((key, value), m))
 
 
 @register
@@ -136,8 +136,8 @@ class NgramMapKSpeculator(_NgramMapSpeculator):
         found = self._occurrences(state)
         if found is None:
             return None
-        key, positions, hits = found
-        start = positions[hits - 1] + self.config.size_n
+        key, newest = found
+        start = newest + self.config.size_n
         # key_only mode keeps one value slot per key, so the accepted count is per key
         num = self._value_len(state, key, None, params)
         limited = limit_draft(state.tokens[start:start + num], None, params)
@@ -166,8 +166,8 @@ class NgramMapK4vSpeculator(_NgramMapSpeculator):
         found = self._occurrences(state)
         if found is None:
             return None
-        key, positions, hits = found
-        values = self._count_values(state, key, positions, hits)
+        key, newest = found
+        values = self._count_values(state, key, newest)
         best = max(range(len(values)), key=lambda i: (values[i][1], -i))
         value, best_count = values[best]
         others = sum(c for _, c in values) - best_count
@@ -183,14 +183,19 @@ class NgramMapK4vSpeculator(_NgramMapSpeculator):
         return Draft(draft_ids, expected_accepted=expected_accepted(token_probs),
                      token_probs=token_probs)
 
-    def _count_values(self, state: _MapState, key, positions: list[int], hits: int) -> list:
-        """Count the values after occurrences 0..hits-1 of key, continuing the last count."""
+    def _count_values(self, state: _MapState, key, newest: int) -> list:
+        """Count the values after the key's occurrences up to `newest`, continuing the count."""
         stats = state.value_stats.get(key)
         if stats is None:
-            stats = state.value_stats[key] = [0, []]
+            stats = state.value_stats[key] = [-1, []]
         n, m, tokens = self.config.size_n, self.config.size_m, state.tokens
+        fresh = []
+        for start in state.index.occurrences(key, newest):
+            if start <= stats[0]:
+                break
+            fresh.append(start)
         values = stats[1]
-        for start in positions[stats[0]:hits]:
+        for start in reversed(fresh):  # oldest first: value slots fill in history order
             value = tuple(tokens[start + n:start + n + m])
             for slot in values:
                 if slot[0] == value:
@@ -199,7 +204,7 @@ class NgramMapK4vSpeculator(_NgramMapSpeculator):
             else:
                 if len(values) < MAX_VALUES:
                     values.append([value, 1])
-        stats[0] = hits
+        stats[0] = newest
         return values
 
 

@@ -13,6 +13,7 @@ rescans the whole history per step.
 """
 from __future__ import annotations
 
+from array import array
 from typing import ClassVar
 
 from speculant.spec.base import (
@@ -69,7 +70,7 @@ def expected_accepted(token_probs: list[float]) -> float:
 
 
 def draft_was_rejected(tokens: list[int], draft_start: int, draft_ids: list[int],
-                  num_accepted: int) -> bool | None:
+                       num_accepted: int) -> bool | None:
     """Whether a draft placed at history position draft_start had num_accepted tokens accepted
     because the target rejected the next one (True) or because it was cut shorter before
     verification, by the chain or a length limit (False); None while the history does not
@@ -86,58 +87,83 @@ def draft_was_rejected(tokens: list[int], draft_start: int, draft_ids: list[int]
     return tokens[pos] != draft_ids[num_accepted]
 
 
-class NgramIndex:
-    """Start positions of every n-gram of one history, for most-recent-occurrence lookups.
+def _cut_after_eos(draft: Draft, eos: frozenset[int], n_min: int) -> Draft | None:
+    """Nothing after an end-of-sequence token can be accepted: cut the draft there."""
+    for i, tok in enumerate(draft.token_ids):
+        if tok in eos:
+            break
+    else:
+        return draft
+    keep = i + 1
+    if keep == len(draft.token_ids):
+        return draft
+    if keep < n_min:
+        return None
+    probs = None if draft.token_probs is None else draft.token_probs[:keep]
+    return Draft(draft.token_ids[:keep],
+                 expected_accepted=None if probs is None else expected_accepted(probs),
+                 token_probs=probs)
 
-    Memory: one dict `{key tuple of n tokens: [start positions, ascending]}`; a history of L
-    tokens holds L - n + 1 positions. `extend` and `truncate` cost O(new or dropped tokens).
+
+class NgramIndex:
+    """Occurrences of every n-gram of one history, newest first, for most-recent-match lookups.
+
+    Memory layout (a chained hash index, no per-key lists, so the garbage collector has
+    nothing to traverse): `last` maps an n-gram (tuple of n tokens) to the start position of
+    its newest occurrence; `prev[p]` is the start of the previous occurrence of the n-gram
+    starting at p, or -1. `extend` and `truncate` cost O(new or dropped tokens).
     """
 
-    __slots__ = ("n", "positions")
+    __slots__ = ("n", "last", "prev")
 
     def __init__(self, n: int):
         self.n = n
-        self.positions: dict[tuple[int, ...], list[int]] = {}
+        self.last: dict[tuple[int, ...], int] = {}
+        self.prev = array("q")  # [num n-grams indexed]
 
-    def extend(self, tokens: list[int], old_len: int) -> None:
-        """Index the n-grams ending in tokens[old_len:] (tokens already holds them)."""
+    def extend(self, tokens: list[int]) -> None:
+        """Index the n-grams of `tokens` not indexed yet (it grew since the last call)."""
         n = self.n
-        first = max(old_len - n + 1, 0)  # start of the first n-gram ending at or after old_len
+        first = len(self.prev)  # next n-gram start to index
         if len(tokens) - first < n:
             return
-        positions = self.positions
         if len(tokens) - first > 64:
             # zip of shifted slices builds all keys at C speed (begin on a long prompt)
             window = tokens[first:]
             keys = zip(*[window[i:] for i in range(n)])
-            for start, key in enumerate(keys, first):
-                lst = positions.get(key)
-                if lst is None:
-                    positions[key] = [start]
-                else:
-                    lst.append(start)
-            return
-        for start in range(first, len(tokens) - n + 1):
-            key = tuple(tokens[start:start + n])
-            lst = positions.get(key)
-            if lst is None:
-                positions[key] = [start]
-            else:
-                lst.append(start)
+        else:
+            keys = (tuple(tokens[i:i + n]) for i in range(first, len(tokens) - n + 1))
+        last, prev = self.last, self.prev
+        get = last.get
+        for start, key in enumerate(keys, first):
+            prev.append(get(key, -1))
+            last[key] = start
 
     def truncate(self, tokens: list[int], new_len: int) -> None:
         """Forget the n-grams ending at or after new_len (call before cutting `tokens`)."""
-        n = self.n
-        positions = self.positions
-        for start in range(len(tokens) - n, max(new_len - n + 1, 0) - 1, -1):
+        n, last, prev = self.n, self.last, self.prev
+        keep = max(new_len - n + 1, 0)
+        for start in range(len(prev) - 1, keep - 1, -1):
             key = tuple(tokens[start:start + n])
-            lst = positions[key]
-            lst.pop()
-            if not lst:
-                del positions[key]
+            if prev[start] < 0:
+                del last[key]
+            else:
+                last[key] = prev[start]
+        del prev[keep:]
 
-    def get(self, key: tuple[int, ...]) -> list[int] | None:
-        return self.positions.get(key)
+    def newest(self, key: tuple[int, ...]) -> int:
+        """Start of the newest occurrence of key, -1 if none."""
+        return self.last.get(key, -1)
+
+    def occurrences(self, key: tuple[int, ...], limit: int):
+        """Starts of the occurrences of key at or before `limit`, newest first."""
+        pos = self.last.get(key, -1)
+        prev = self.prev
+        while pos > limit:
+            pos = prev[pos]
+        while pos >= 0:
+            yield pos
+            pos = prev[pos]
 
 
 class SeqHistory:
@@ -178,6 +204,7 @@ class MirroredSpeculator(Speculator):
                             f"got {type(config).__name__}")
         self.ctx = ctx
         self.config = config
+        self._eos = frozenset(ctx.eos_token_ids)
         self._seqs: dict[int, SeqHistory] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -203,6 +230,8 @@ class MirroredSpeculator(Speculator):
             if r.params.n_max <= 0:
                 continue
             d = self._draft_one(state, r.params)
+            if d is not None and self._eos:
+                d = _cut_after_eos(d, self._eos, r.params.n_min)
             if d is not None:
                 out[r.seq_id] = d
         return out

@@ -83,12 +83,12 @@ class NgramModSpeculator(MirroredSpeculator):
     def __init__(self, ctx: SpeculatorContext, config: NgramModConfig | None = None):
         super().__init__(ctx, config)
         self._apow = pow(_LCG, self.config.n_match - 1, 1 << 64)  # LCG**(n-1) for rolling
-        self._pool = array("i")
+        self._pool = array("i", [_EMPTY]) * self.config.pool_size
         self.num_used = 0  # occupied slots
         self.num_resets = 0
-        self.reset_pool()
 
     def reset_pool(self) -> None:
+        """Empty the pool (every sequence loses its n-grams)."""
         self._pool = array("i", [_EMPTY]) * self.config.pool_size
         self.num_used = 0
         self.num_resets += 1

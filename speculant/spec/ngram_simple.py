@@ -48,7 +48,7 @@ class NgramSimpleSpeculator(MirroredSpeculator):
         state.index = NgramIndex(self.config.size_n)
 
     def _on_extend(self, state: _SimpleState, old_len: int) -> None:
-        state.index.extend(state.tokens, old_len)
+        state.index.extend(state.tokens)
 
     def _on_truncate(self, state: _SimpleState, new_len: int) -> None:
         state.index.truncate(state.tokens, new_len)
@@ -57,11 +57,11 @@ class NgramSimpleSpeculator(MirroredSpeculator):
         n, tokens = self.config.size_n, state.tokens
         if len(tokens) <= n:
             return None
-        positions = state.index.get(tuple(tokens[-n:]))
-        # positions[-1] is the key itself (it ends the history); the one before is the match
-        if positions is None or len(positions) < 2:
+        # the newest occurrence of the key is the key itself (it ends the history)
+        match = state.index.prev[len(tokens) - n]
+        if match < 0:
             return None
-        start = positions[-2] + n
+        start = match + n
         draft_ids = tokens[start:start + min(self.config.size_m, params.n_max)]
         limited = limit_draft(draft_ids, None, params)
         return None if limited is None else Draft(limited[0])

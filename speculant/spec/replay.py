@@ -97,8 +97,8 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
         # 2) decode: draft, verify against the record, commit sampled + accepted tokens
         while done < len(output_ids):
             room = len(output_ids) - done - 1  # leave the last token to the target
-            step_params = DraftParams(n_max=min(params.n_max, room),
-                                      n_min=min(params.n_min, params.n_max, room), p_min=params.p_min)
+            n_max = min(params.n_max, room)
+            step_params = DraftParams(n_max, min(params.n_min, n_max), params.p_min)
             draft = spec.draft([DraftRequest(seq_id, list(history), step_params)]).get(seq_id)
             num_acc = 0
             if draft is not None and len(draft) > 0:
@@ -110,7 +110,8 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
                 stats.num_accepted_tokens += num_acc
                 _add_per_pos(stats.accepted_per_pos, [1] * num_acc)
             new_ids = list(output_ids[done:done + num_acc + 1])
-            spec.process([CommittedTokens(seq_id, len(history) - 1, [history[-1]] + new_ids[:num_acc])])
+            committed = [history[-1]] + new_ids[:num_acc]
+            spec.process([CommittedTokens(seq_id, len(history) - 1, committed)])
             history.extend(new_ids)
             done += len(new_ids)
             stats.steps += 1
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     cls = speculator_class(args.spec_type)
     config_class = getattr(cls, "config_class", None)
     config = config_class(**_parse_options(config_class, args.set)) if config_class else None
-    vocab_size = 1 + max((max(r["prompt_ids"] + r["output_ids"], default=0) for r in records), default=0)
+    vocab_size = 1 + max((max(r["prompt_ids"] + r["output_ids"], default=0) for r in records),
+                         default=0)
     spec = cls(SpeculatorContext(vocab_size=vocab_size), config)
     per_record, total = replay(spec, records, DraftParams(args.n_max, args.n_min, args.p_min))
     for i, stats in enumerate(per_record):

@@ -11,21 +11,24 @@ from speculant.spec.suffix_tree import Match, SuffixTree
 
 @dataclass(slots=True)
 class SuffixConfig:
-    """Defaults from vLLM's `SpeculativeConfig` for method "suffix" (suffix_decoding_*), which
-    runs Arctic Inference's implementation; Arctic's own vLLM plugin uses max depth 64 and
-    100000 cached requests, and SuffixDecodingCache the same factor/offset/probability.
+    """Field names after Arctic Inference's `SuffixDecodingCache`/`speculate()`; defaults from
+    vLLM's `SpeculativeConfig` for method "suffix" (`suffix_decoding_*`, which runs Arctic's
+    implementation), except max_cached_requests.
 
-    - max_tree_depth = 24: longest suffix stored; bounds match length + draft length.
-    - max_cached_requests = 10000: responses kept in the global tree, evicted oldest first;
-      -1 keeps all, 0 disables the global tree.
-    - max_spec_factor = 1.0, max_spec_offset = 0.0: a match of length m drafts at most
-      m * max_spec_factor + max_spec_offset tokens (longer matches are trusted further).
-    - min_token_prob = 0.1: drafting stops where the estimated probability of the path so far
-      drops below this.
+    - max_tree_depth = 24 (vLLM; Arctic's plugin: 64): longest suffix stored; bounds match
+      length + draft length. Deeper costs more per token in Python.
+    - max_cached_requests = 1000 (vLLM: 10000, Arctic's plugin: 100000): responses kept in the
+      global tree, evicted oldest first; -1 keeps all, 0 disables the global tree. Lower than
+      upstream because this tree costs ~350 bytes per cached token (1000 responses of 500
+      tokens: ~175 MB) where Arctic's is C++.
+    - max_spec_factor = 1.0, max_spec_offset = 0.0 (vLLM, Arctic): a match of length m drafts
+      at most m * max_spec_factor + max_spec_offset tokens (longer matches are trusted further).
+    - min_token_prob = 0.1 (vLLM, Arctic): drafting stops where the estimated probability of
+      the path so far drops below this.
     """
 
     max_tree_depth: int = 24
-    max_cached_requests: int = 10000
+    max_cached_requests: int = 1000
     max_spec_factor: float = 1.0
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1
@@ -42,7 +45,12 @@ class SuffixConfig:
 
 
 class _SuffixState(SeqHistory):
-    __slots__ = ("local",)  # SuffixTree of this sequence's history (prompt + output)
+    __slots__ = ("local", "global_matches", "global_version", "global_len")
+
+    # local: SuffixTree of this sequence's history (prompt + output)
+    # global_matches: (length, match) of the history's suffixes in the global tree, kept up to
+    #   date token by token; valid while the tree's version is global_version and the history
+    #   length is global_len
 
 
 @register
@@ -79,14 +87,38 @@ class SuffixSpeculator(MirroredSpeculator):
 
     def _init_state(self, state: _SuffixState) -> None:
         state.local = SuffixTree(self.config.max_tree_depth)
+        state.global_matches, state.global_version, state.global_len = [], -1, 0
 
     def _on_extend(self, state: _SuffixState, old_len: int) -> None:
         state.local.extend(0, state.tokens[old_len:])
+        tree = self.global_tree
+        if state.global_version == tree.version and state.global_len == old_len:
+            max_len = self.config.max_tree_depth - 1
+            matches = state.global_matches
+            for tok in state.tokens[old_len:]:
+                first = tree.match([tok])
+                grown = [] if first is None else [(1, first)]
+                for length, m in matches:
+                    if length < max_len:
+                        m = tree.advance(m, tok)
+                        if m is not None:
+                            grown.append((length + 1, m))
+                matches = grown
+            state.global_matches, state.global_len = matches, len(state.tokens)
+
+    def _global_matches(self, state: _SuffixState) -> list:
+        tree = self.global_tree
+        if state.global_version != tree.version or state.global_len != len(state.tokens):
+            context = state.tokens[-(self.config.max_tree_depth - 1):]
+            state.global_matches = tree.suffix_matches(context)
+            state.global_version, state.global_len = tree.version, len(state.tokens)
+        return state.global_matches
 
     def _on_truncate(self, state: _SuffixState, new_len: int) -> None:
         # a rollback is rare: rebuilding beats undoing the tree
         state.local = SuffixTree(self.config.max_tree_depth)
         state.local.extend(0, state.tokens[:new_len])
+        state.global_version = -1
 
     def _on_end(self, state: _SuffixState) -> None:
         response = state.tokens[state.prompt_len:]
@@ -109,9 +141,7 @@ class SuffixSpeculator(MirroredSpeculator):
     def _draft_one(self, state: _SuffixState, params: DraftParams) -> Draft | None:
         best = self._best(state.local, state.local.active_matches(0), params.n_max)
         if len(self.global_tree):
-            context = state.tokens[-(self.config.max_tree_depth - 1):]
-            other = self._best(self.global_tree, self.global_tree.suffix_matches(context),
-                               params.n_max)
+            other = self._best(self.global_tree, self._global_matches(state), params.n_max)
             if other[2] > best[2]:
                 best = other
         token_ids, path_probs, _ = best

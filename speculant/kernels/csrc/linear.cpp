@@ -18,7 +18,7 @@
 // Batch invariance: one output element accumulates its blocks (or, for F32/F16, its even and odd
 // input features) in ascending order with the same instruction sequence whatever M or the row
 // tile is. Row i of the output is therefore bit-identical however many rows are computed with it,
-// and at whatever position. Up to kRowTile activation rows share each loaded weight block.
+// and at whatever position.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -33,7 +33,6 @@
 namespace speculant {
 namespace {
 
-constexpr int kRowTile = 4;    // activation rows sharing one pass over a weight group
 constexpr int64_t kBlock = 32;  // GGML block length
 
 // One activation matrix quantized block by block (per row, so rows never influence each other).
@@ -99,6 +98,12 @@ void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& a) {
   });
 }
 
+// Every kernel computes a tile of NG weight groups (8 NG output rows) x MR activation rows:
+// tile<NG, MR>(g, m0, out) leaves out[n * MR + i] = the 8 outputs of group g + n for row m0 + i.
+// Loaded weights serve MR rows and each activation broadcast serves NG groups; kGroupTile x
+// kRowTile is the largest tile that fits the 16 vector registers. Each (group, row) pair runs the
+// same instruction sequence in every tile shape: results never depend on NG or MR.
+
 // Q4_0 (kHasMin = false: w = d * (q - 8)) and Q4_1 (kHasMin = true: w = d * q + m).
 template <bool kHasMin>
 struct Q4Kernel {
@@ -107,44 +112,59 @@ struct Q4Kernel {
   const uint16_t* mins;    // [G, nb, 8] fp16, Q4_1 only
   ActsView acts;
   int64_t nb;
+  static constexpr int kGroupTile = 2, kRowTile = 3;
 
-  template <int MR>
+  template <int NG, int MR>
   void tile(int64_t g, int64_t m0, __m256* out) const {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t nb = this->nb;
     const int8_t* xq = acts.q + m0 * nb * kBlock;
-    __m256 acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    __m256 acc[NG][MR];
+    for (int n = 0; n < NG; ++n)
+      for (int i = 0; i < MR; ++i) acc[n][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t gb = g * nb + b;
-      const uint8_t* wq = weight + gb * 128;
       // 4-bit x int8 products summed in int16: at most 8 * 2 * 15 * 127 = 30480, no overflow
-      __m256i sums[MR];
+      __m256i sums[NG][MR];
       for (int v = 0; v < 4; ++v) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * v));
-        const __m256i lo = _mm256_and_si256(w, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        __m256i lo[NG], hi[NG];
+        for (int n = 0; n < NG; ++n) {
+          const uint8_t* wq = weight + ((g + n) * nb + b) * 128 + 32 * v;
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+          lo[n] = _mm256_and_si256(w, nibble);
+          hi[n] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        }
         for (int i = 0; i < MR; ++i) {
           const int8_t* x = xq + (i * nb + b) * kBlock;
-          const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(x, v)),
-                                             _mm256_maddubs_epi16(hi, broadcast4(x, v + 4)));
-          sums[i] = v == 0 ? s : _mm256_add_epi16(sums[i], s);
-          keep_in_register(sums[i]);
+          const __m256i x_lo = broadcast4(x, v), x_hi = broadcast4(x, v + 4);
+          for (int n = 0; n < NG; ++n) {
+            const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo[n], x_lo),
+                                               _mm256_maddubs_epi16(hi[n], x_hi));
+            sums[n][i] = v == 0 ? s : _mm256_add_epi16(sums[n][i], s);
+            keep_in_register(sums[n][i]);
+          }
         }
       }
-      const __m256 wd = load8(scales + gb * 8);
-      const __m256 wm = kHasMin ? load8(mins + gb * 8) : wd;
-      for (int i = 0; i < MR; ++i) {
-        const int64_t xb = (m0 + i) * nb + b;  // this row's block in the activation arrays
-        __m256i dot = _mm256_madd_epi16(sums[i], ones);  // [8 rows] int32
-        if constexpr (!kHasMin) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * acts.sum[xb]));
-        const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(acts.d[xb]));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
-        if constexpr (kHasMin) acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(acts.dsum[xb]), acc[i]);
+      for (int n = 0; n < NG; ++n) {
+        const int64_t gb = (g + n) * nb + b;
+        const __m256 wd = load8(scales + gb * 8);
+        const __m256 wm = kHasMin ? load8(mins + gb * 8) : wd;
+        for (int i = 0; i < MR; ++i) {
+          const int64_t xb = (m0 + i) * nb + b;  // this row's block in the activation arrays
+          __m256i dot = _mm256_madd_epi16(sums[n][i], ones);  // [8 rows] int32
+          if constexpr (!kHasMin) {
+            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * acts.sum[xb]));
+          }
+          const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(acts.d[xb]));
+          acc[n][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[n][i]);
+          if constexpr (kHasMin) {
+            acc[n][i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(acts.dsum[xb]), acc[n][i]);
+          }
+        }
       }
     }
-    for (int i = 0; i < MR; ++i) out[i] = acc[i];
+    for (int n = 0; n < NG; ++n)
+      for (int i = 0; i < MR; ++i) out[n * MR + i] = acc[n][i];
   }
 };
 
@@ -155,35 +175,46 @@ struct Q8Kernel {
   const uint16_t* scales;  // [G, nb, 8] fp16
   ActsView acts;
   int64_t nb;
+  static constexpr int kGroupTile = 2, kRowTile = 3;
 
-  template <int MR>
+  template <int NG, int MR>
   void tile(int64_t g, int64_t m0, __m256* out) const {
     const __m256i ones = _mm256_set1_epi16(1);
     const int64_t nb = this->nb;
     const int8_t* xq = acts.q + m0 * nb * kBlock;
-    __m256 acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    __m256 acc[NG][MR];
+    for (int n = 0; n < NG; ++n)
+      for (int i = 0; i < MR; ++i) acc[n][i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t gb = g * nb + b;
-      const int8_t* wq = weight + gb * 256;
-      __m256i dot[MR];
-      for (int i = 0; i < MR; ++i) dot[i] = _mm256_setzero_si256();
+      __m256i dot[NG][MR];
+      for (int n = 0; n < NG; ++n)
+        for (int i = 0; i < MR; ++i) dot[n][i] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * c));
-        const __m256i w_abs = _mm256_abs_epi8(w);
+        __m256i w[NG], w_abs[NG];
+        for (int n = 0; n < NG; ++n) {
+          const int8_t* wq = weight + ((g + n) * nb + b) * 256 + 32 * c;
+          w[n] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+          w_abs[n] = _mm256_abs_epi8(w[n]);
+        }
         for (int i = 0; i < MR; ++i) {
-          const __m256i x = _mm256_sign_epi8(broadcast4(xq + (i * nb + b) * kBlock, c), w);
-          dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones));
-          keep_in_register(dot[i]);
+          const __m256i x = broadcast4(xq + (i * nb + b) * kBlock, c);
+          for (int n = 0; n < NG; ++n) {
+            const __m256i p = _mm256_maddubs_epi16(w_abs[n], _mm256_sign_epi8(x, w[n]));
+            dot[n][i] = _mm256_add_epi32(dot[n][i], _mm256_madd_epi16(p, ones));
+            keep_in_register(dot[n][i]);
+          }
         }
       }
-      const __m256 wd = load8(scales + gb * 8);
-      for (int i = 0; i < MR; ++i) {
-        const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(acts.d[(m0 + i) * nb + b]));
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), scale, acc[i]);
+      for (int n = 0; n < NG; ++n) {
+        const __m256 wd = load8(scales + ((g + n) * nb + b) * 8);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(acts.d[(m0 + i) * nb + b]));
+          acc[n][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[n][i]), scale, acc[n][i]);
+        }
       }
     }
-    for (int i = 0; i < MR; ++i) out[i] = acc[i];
+    for (int n = 0; n < NG; ++n)
+      for (int i = 0; i < MR; ++i) out[n * MR + i] = acc[n][i];
   }
 };
 
@@ -194,67 +225,95 @@ struct FloatKernel {
   const T* weight;  // [G, K, 8]
   const float* x;   // [M, K]
   int64_t K;
+  static constexpr int kGroupTile = 1, kRowTile = 4;
 
-  template <int MR>
+  template <int NG, int MR>
   void tile(int64_t g, int64_t m0, __m256* out) const {
     const int64_t K = this->K;
-    const T* w = weight + g * K * 8;
     const float* xr = x + m0 * K;
-    __m256 even[MR], odd[MR];
-    for (int i = 0; i < MR; ++i) even[i] = odd[i] = _mm256_setzero_ps();
+    __m256 even[NG][MR], odd[NG][MR];
+    for (int n = 0; n < NG; ++n)
+      for (int i = 0; i < MR; ++i) even[n][i] = odd[n][i] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 2 <= K; k += 2) {
-      const __m256 w0 = load8(w + k * 8);
-      const __m256 w1 = load8(w + (k + 1) * 8);
+      __m256 w0[NG], w1[NG];
+      for (int n = 0; n < NG; ++n) {
+        w0[n] = load8(weight + ((g + n) * K + k) * 8);
+        w1[n] = load8(weight + ((g + n) * K + k + 1) * 8);
+      }
       for (int i = 0; i < MR; ++i) {
-        even[i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[i * K + k]), even[i]);
-        odd[i] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[i * K + k + 1]), odd[i]);
+        const __m256 x0 = _mm256_set1_ps(xr[i * K + k]), x1 = _mm256_set1_ps(xr[i * K + k + 1]);
+        for (int n = 0; n < NG; ++n) {
+          even[n][i] = _mm256_fmadd_ps(w0[n], x0, even[n][i]);
+          odd[n][i] = _mm256_fmadd_ps(w1[n], x1, odd[n][i]);
+        }
       }
     }
     if (k < K) {
-      const __m256 w0 = load8(w + k * 8);
-      for (int i = 0; i < MR; ++i) even[i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[i * K + k]), even[i]);
+      for (int n = 0; n < NG; ++n) {
+        const __m256 w0 = load8(weight + ((g + n) * K + k) * 8);
+        for (int i = 0; i < MR; ++i) {
+          even[n][i] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[i * K + k]), even[n][i]);
+        }
+      }
     }
-    for (int i = 0; i < MR; ++i) out[i] = _mm256_add_ps(even[i], odd[i]);
+    for (int n = 0; n < NG; ++n)
+      for (int i = 0; i < MR; ++i) out[n * MR + i] = _mm256_add_ps(even[n][i], odd[n][i]);
   }
 };
 
-template <int MR, typename Kernel>
+template <int NG, int MR, typename Kernel>
 void tile_and_store(const Kernel& kernel, int64_t g, int64_t m0, int64_t N, float* out) {
-  __m256 acc[MR];
-  kernel.template tile<MR>(g, m0, acc);
-  const int64_t n0 = g * 8;
-  for (int i = 0; i < MR; ++i) {
-    float* dst = out + (m0 + i) * N + n0;
-    if (n0 + 8 <= N) {
-      _mm256_storeu_ps(dst, acc[i]);
-    } else {  // last group: only the rows that exist
-      alignas(32) float tmp[8];
-      _mm256_store_ps(tmp, acc[i]);
-      std::copy(tmp, tmp + (N - n0), dst);
+  __m256 acc[NG * MR];
+  kernel.template tile<NG, MR>(g, m0, acc);
+  for (int n = 0; n < NG; ++n) {
+    const int64_t n0 = (g + n) * 8;
+    for (int i = 0; i < MR; ++i) {
+      float* dst = out + (m0 + i) * N + n0;
+      if (n0 + 8 <= N) {
+        _mm256_storeu_ps(dst, acc[n * MR + i]);
+      } else {  // last group: only the rows that exist
+        alignas(32) float tmp[8];
+        _mm256_store_ps(tmp, acc[n * MR + i]);
+        std::copy(tmp, tmp + (N - n0), dst);
+      }
     }
   }
 }
 
-// Splits the weight groups across threads; each thread walks its groups, and for each group all M
-// rows in tiles of kRowTile, so a group's weights are read from memory once and then from L1.
+// Rows [m_begin, m_end) against NG groups starting at g, in row tiles of kRowTile and a remainder.
+template <int NG, typename Kernel>
+void run_groups(const Kernel& kernel, int64_t g, int64_t m_begin, int64_t m_end, int64_t N,
+                float* out) {
+  constexpr int kRowTile = Kernel::kRowTile;
+  int64_t m = m_begin;
+  for (; m + kRowTile <= m_end; m += kRowTile) tile_and_store<NG, kRowTile>(kernel, g, m, N, out);
+  switch (m_end - m) {
+    case 3: tile_and_store<NG, 3>(kernel, g, m, N, out); break;
+    case 2: tile_and_store<NG, 2>(kernel, g, m, N, out); break;
+    case 1: tile_and_store<NG, 1>(kernel, g, m, N, out); break;
+    default: break;
+  }
+}
+
+// Splits the weight groups across threads; each thread walks its groups kGroupTile at a time and,
+// for each, all rows of the pass, so their weights come from memory once and then from L1. Long
+// prompts go in passes of kRowsPerPass rows, whose quantized activations stay in L2.
 template <typename Kernel>
 void run(const Kernel& kernel, int64_t M, int64_t N, int64_t group_bytes, float* out) {
+  constexpr int64_t kRowsPerPass = 128;
+  constexpr int kGroupTile = Kernel::kGroupTile;
   const int64_t G = (N + 7) / 8;
-  // at least ~32 KB of weights (or of work, for large M) per task, so small matrices skip threading
-  const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * std::max<int64_t>(M, 1)));
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t m = 0;
-      for (; m + kRowTile <= M; m += kRowTile) tile_and_store<kRowTile>(kernel, g, m, N, out);
-      switch (M - m) {
-        case 3: tile_and_store<3>(kernel, g, m, N, out); break;
-        case 2: tile_and_store<2>(kernel, g, m, N, out); break;
-        case 1: tile_and_store<1>(kernel, g, m, N, out); break;
-        default: break;
-      }
-    }
-  });
+  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+    const int64_t m1 = std::min(M, m0 + kRowsPerPass);
+    // at least ~32 KB of weight traffic per task, so small products skip threading
+    const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * (m1 - m0)));
+    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+      int64_t g = g0;
+      for (; g + kGroupTile <= g1; g += kGroupTile) run_groups<kGroupTile>(kernel, g, m0, m1, N, out);
+      for (; g < g1; ++g) run_groups<1>(kernel, g, m0, m1, N, out);
+    });
+  }
 }
 
 const uint16_t* half_bits(const at::Tensor& t) {
@@ -272,13 +331,13 @@ void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t G, int64_t i
 
 }  // namespace
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& weight,
                          const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& mins, std::string_view qtype,
                          int64_t out_features) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 &&
-                  x.is_contiguous(),
-              "speculant::packed_linear: x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
+              "speculant::packed_linear: x must be a 2-D float32 CPU tensor");
+  const at::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = out_features, G = (N + 7) / 8;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
