@@ -120,7 +120,7 @@ def test_linear_matches_dequantized_matmul(qtype, native):
     assert rel_err(out, rounded.double() @ dense.T) < EMULATED_TOLERANCE
 
 
-@pytest.mark.parametrize("qtype, in_features", [(q, 576) for q in ALL_TYPES]
+@pytest.mark.parametrize("qtype, in_features", [(q, 160) for q in ALL_TYPES]
                          + [("F32", 101), ("F16", 101)])  # odd in_features: the F32/F16 tail
 def test_linear_batch_invariance(qtype, in_features, native):
     """Row i is bit-identical alone, in every batch size 1..17, and at any position in a batch."""
@@ -287,3 +287,19 @@ def test_native_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.speculant.paged_attention.default,
                           (q, k_cache, v_cache, tables, seq, pos, scale),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.slow
+def test_native_ops_compile_fullgraph():
+    """torch.compile traces PackedLinear and paged_attention without graph breaks, same bits."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    w = PackedLinear.from_float(random_weight(72, 576), "Q4_1")
+    args = make_paged_batch()
+
+    def step(x, q):
+        return w(x).relu(), paged_attention(q, *args[1:])
+
+    x = torch.randn(6, 576)
+    eager, compiled = step(x, args[0]), torch.compile(step, fullgraph=True)(x, args[0])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(eager, compiled))

@@ -6,8 +6,10 @@ and httpx where they need raw HTTP (bad bodies, disconnects, /slots, /metrics).
 """
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -52,7 +54,8 @@ def server():
            "--spec-type", ",".join(_model_free_speculators()), "--kv-cache-tokens", "16384",
            "--threads", str(min(2, os.cpu_count() or 1))]
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url, log)
@@ -66,6 +69,12 @@ def server():
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: the server is killed if pytest dies (no orphan server after a killed run)."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _wait_healthy(proc, url: str, log, timeout_s: float = 180.0) -> None:
@@ -83,12 +92,12 @@ def _wait_healthy(proc, url: str, log, timeout_s: float = 180.0) -> None:
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, headers=AUTH, timeout=60) as c:
+    with httpx.Client(base_url=server, headers=AUTH, timeout=30) as c:
         yield c
 
 
@@ -189,7 +198,7 @@ async def _stream_chat(aclient, prompt: str, spec: dict) -> tuple[str, float, fl
 
 async def _stream_all(server, spec: dict, concurrent: bool) -> list[tuple]:
     aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0,
-                                 timeout=120)
+                                 timeout=60)
     async with aclient:
         if concurrent:
             return await asyncio.gather(*(_stream_chat(aclient, p, spec) for p in PROMPTS))

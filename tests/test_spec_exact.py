@@ -24,35 +24,48 @@ def generate(engine, prompts, spec: SpecParams, max_tokens, batch):
     return seqs
 
 
-def check_exact(engine, prompts, types, max_tokens, batch):
-    plain = generate(engine, prompts, SpecParams(enabled=False), max_tokens, batch)
+def check_exact(engine, prompts, types, max_tokens, batch, plain=None):
+    plain = plain or [s.output_ids for s in
+                      generate(engine, prompts, SpecParams(enabled=False), max_tokens, batch)]
     spec = generate(engine, prompts, SpecParams(types=types), max_tokens, batch)
     for p, s in zip(plain, spec):
-        assert s.output_ids == p.output_ids, f"{types}: speculative output diverged from plain"
+        assert s.output_ids == p, f"{types}: speculative output diverged from plain"
     return spec
 
 
-def sample_prompts(engine, per_category):
-    recs = dev_prompts(["code_edit", "summarization"], per_category)
-    return [first_turn_prompt(r, engine.tokenizer) for r in recs]
+def shortest_prompts(engine, per_category):
+    """The shortest code_edit and summarization prompts: copy-heavy, and quick to prefill."""
+    prompts = []
+    for cat in ("code_edit", "summarization"):
+        recs = sorted(dev_prompts([cat], None), key=lambda r: len(r.turns[0]))[:per_category]
+        prompts += [first_turn_prompt(r, engine.tokenizer) for r in recs]
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def sample(default_engine):
+    """Prompts and their plain greedy outputs, computed once for the module."""
+    prompts = shortest_prompts(default_engine, 2)
+    plain = generate(default_engine, prompts, SpecParams(enabled=False), 64, batch=4)
+    return prompts, [s.output_ids for s in plain]
 
 
 @pytest.mark.parametrize("types", [[n] for n in MODEL_FREE] + [MODEL_FREE])
-def test_speculative_equals_plain_batch1(default_engine, types):
-    prompts = sample_prompts(default_engine, 2)
-    spec = check_exact(default_engine, prompts, types, max_tokens=64, batch=1)
+def test_speculative_equals_plain_batch1(default_engine, sample, types):
+    prompts, plain = sample
+    spec = check_exact(default_engine, prompts, types, 64, batch=1, plain=plain)
     assert sum(s.spec.num_steps for s in spec) > 0
 
 
-def test_chain_equals_plain_batch8_and_drafts_get_accepted(default_engine):
-    prompts = sample_prompts(default_engine, 4)
-    spec = check_exact(default_engine, prompts, MODEL_FREE, max_tokens=64, batch=8)
+def test_chain_equals_plain_batch4_and_drafts_get_accepted(default_engine, sample):
+    prompts, plain = sample
+    spec = check_exact(default_engine, prompts, MODEL_FREE, 64, batch=4, plain=plain)
     assert sum(s.spec.num_accepted_tokens for s in spec) > 0  # copy-heavy prompts: drafts land
 
 
-def test_sampling_with_match_verification_equals_plain_sampling(default_engine):
+def test_sampling_with_match_verification_equals_plain_sampling(default_engine, sample):
     """Sample-and-match consumes one uniform per emitted token: same seed, same text as plain."""
-    prompts = sample_prompts(default_engine, 1)
+    prompts = sample[0][::2]
     outs = {}
     for label, spec in (("plain", SpecParams(enabled=False)), ("spec", SpecParams(types=MODEL_FREE))):
         default_engine.scheduler.max_num_seqs = 1

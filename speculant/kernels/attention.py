@@ -1,11 +1,9 @@
 """Causal attention of a ragged batch of query tokens over a paged KV cache."""
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from speculant.kernels.native import load_ops
+from speculant.kernels.native import native_available
 
 FALLBACK_TOKEN_CHUNK = 64  # query tokens gathered at once by the fallback (bounds its memory)
 
@@ -43,15 +41,9 @@ def paged_attention(
 
 
 def _native_op(q: torch.Tensor, k_cache: torch.Tensor):
-    if not (q.is_cpu and k_cache.is_cpu) or q.shape[-1] % 8:
-        return None
-    return _native_attention_op()
-
-
-@functools.cache
-def _native_attention_op():
-    ops = load_ops()
-    return None if ops is None else ops.paged_attention.default
+    if q.is_cpu and k_cache.is_cpu and q.shape[-1] % 8 == 0 and native_available():
+        return torch.ops.speculant.paged_attention.default
+    return None
 
 
 def _fallback(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale) -> torch.Tensor:

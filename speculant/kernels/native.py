@@ -31,6 +31,7 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
 
 
+@torch.compiler.assume_constant_result  # torch.compile evaluates it once instead of tracing it
 def native_available() -> bool:
     """True if the native kernels are loaded (building them now if needed) and usable here."""
     return load_ops() is not None
@@ -63,6 +64,9 @@ def build() -> Path:
     build_dir = _cache_root() / "native" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(build_dir / "build.lock"):
+        # torch's own marker of a build in progress; one left by a killed build would make every
+        # later load wait forever, and while we hold the lock nobody else is building
+        (build_dir / "lock").unlink(missing_ok=True)
         cpp_extension.load(
             name=f"speculant_native_{key}", sources=[str(s) for s in sources],
             extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),

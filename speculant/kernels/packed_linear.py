@@ -1,14 +1,12 @@
 """PackedLinear: a weight matrix kept in its compact (quantized or half) form, and its matmul."""
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
 from speculant.kernels import ggml_blocks
 from speculant.kernels.ggml_blocks import GGMLBlocks
-from speculant.kernels.native import load_ops
+from speculant.kernels.native import native_available
 
 QTYPES = ("Q4_0", "Q4_1", "Q8_0", "F16", "F32")
 ROWS_PER_GROUP = 8  # output rows interleaved together (one AVX2 vector of results)
@@ -164,14 +162,13 @@ class PackedLinear:
     # ---- internals ---------------------------------------------------------------------------
 
     def _native_op(self, native: bool | None):
-        if native is False:
-            return None
-        op = _native_linear_op() if self.data.is_cpu else None
-        if op is None and native:
+        if native is not False and self.data.is_cpu and native_available():
+            return torch.ops.speculant.packed_linear.default
+        if native:
             raise RuntimeError(f"native kernels requested but unavailable for {self} "
                                "(SPECULANT_NATIVE=0, CPU without AVX2/FMA/F16C, build failure, "
                                "or weights not on the CPU)")
-        return op
+        return None
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         # x [M, in] float32 -> [M, out]; weights dequantized a slab of groups at a time
@@ -208,12 +205,6 @@ class PackedLinear:
         # [out, in] in the stored dtype
         g, k, _ = self.data.shape
         return self.data.transpose(1, 2).reshape(g * ROWS_PER_GROUP, k)[: self.out_features]
-
-
-@functools.cache
-def _native_linear_op():
-    ops = load_ops()
-    return None if ops is None else ops.packed_linear.default
 
 
 def _group_rows(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,8 @@ from speculant.server.metrics import engine_snapshot
 from speculant.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from speculant.server.responses import ChatFormat, CompletionFormat, sse, stream_safe_end, usage
 
+ENGINE_CALL_TIMEOUT_S = 30.0  # /slots and /metrics wait at most this long for the engine thread
+
 
 def add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
@@ -226,7 +228,12 @@ async def metrics(request: Request):
 
 
 async def _engine_call(request: Request, fn):
+    """`fn(engine_loop)`, answered between two engine steps (or a 503 if none comes)."""
     try:
-        return await fn(request.app.state.server.loop)
+        return await asyncio.wait_for(fn(request.app.state.server.loop), ENGINE_CALL_TIMEOUT_S)
     except EngineUnavailable as exc:
         raise ApiError(503, str(exc), type="server_error", code="engine_unavailable") from exc
+    except asyncio.TimeoutError as exc:
+        raise ApiError(503, f"the engine did not answer within {ENGINE_CALL_TIMEOUT_S:.0f} s "
+                       "(a step is taking that long)", type="server_error",
+                       code="engine_busy") from exc

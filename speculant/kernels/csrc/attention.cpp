@@ -152,15 +152,19 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
 
   const int32_t* seq = token_seq.const_data_ptr<int32_t>();
   const int32_t* pos = token_pos.const_data_ptr<int32_t>();
+  int64_t num_positions = 0;  // summed over tokens: the work, in units of one K and one V row
   for (int64_t t = 0; t < T; ++t) {
     check(seq[t] >= 0 && seq[t] < S, "token_seq entry out of range");
     check(pos[t] >= 0 && pos[t] < max_blocks * block_size, "token_pos beyond the block table");
+    num_positions += pos[t] + 1;
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
   const float* qp = q.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t num_pairs = T * Hq;
-  at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
+  // under ~2K (position, head) pairs, about 10 us of work, a second thread costs more than it saves
+  const int64_t grain = num_positions * Hq < 2048 ? num_pairs : 1;
+  at::parallel_for(0, num_pairs, grain, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       // Zigzag order: each thread's contiguous share mixes early (short) and late (long)
