@@ -205,7 +205,8 @@ class Engine:
         if not requests:
             return {}
         try:
-            return self.chain.draft(requests, self.cost.cost_per_token(len(decoding)))
+            return self.chain.draft(requests, self.cost.cost_per_token(len(decoding)),
+                                    self.cost.seconds_per_token(len(decoding)))
         except Exception:  # a faulty speculator costs speed, never correctness or the engine
             log.exception("speculator failed; decoding this step without drafts")
             self.stats.num_speculator_errors += 1
@@ -295,6 +296,7 @@ class Engine:
             seq.first_token_time = time.perf_counter()
         appended = []
         reason = None
+        num_before = seq.num_generated
         stop_ids = set(seq.params.stop_token_ids)
         if not seq.params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -309,21 +311,29 @@ class Engine:
                 break
         if reason is None and seq.params.stop:
             reason = self._check_stop_strings(seq, len(appended))
+            appended = seq.output_ids[num_before:]  # the stop may have trimmed trailing tokens
         if reason is not None:
             self._finish(seq, reason)
         self.stats.num_generated_tokens += len(appended)
         return StepUpdate(seq, appended, seq.is_finished)
 
     def _check_stop_strings(self, seq: Sequence, num_new: int) -> str | None:
-        text = self.tokenizer.decode(seq.output_ids)
+        """Finish at the first stop string; the tokens after the one completing it go, so
+        counts do not depend on how many tokens a step happened to accept."""
+        gen = seq.output_ids
+        text = self.tokenizer.decode(gen)
         longest = max(len(s) for s in seq.params.stop)
         # Only text that could contain a stop string ending in the new tokens is searched.
-        prev_len = len(self.tokenizer.decode(seq.output_ids[:-num_new])) if num_new else len(text)
+        prev_len = len(self.tokenizer.decode(gen[:-num_new])) if num_new else len(text)
         start = max(0, prev_len - longest + 1)
-        hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((text.find(s, start), s) for s in seq.params.stop) if i >= 0]
         if not hits:
             return None
-        seq.stop_text_len = min(hits)
+        hit, end = min(hits)
+        keep = next(n for n in range(len(gen) - num_new + 1, len(gen) + 1)
+                    if len(self.tokenizer.decode(gen[:n])) >= end)
+        del seq.token_ids[seq.num_prompt + keep:]
+        seq.stop_text_len = hit
         return "stop"
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:

@@ -47,7 +47,9 @@ class Scheduler:
             raise ValueError(
                 f"request needs {seq.kv_budget} KV tokens (prompt {seq.num_prompt} + max_tokens "
                 f"{seq.params.max_tokens}); the cache holds {self.cache.capacity_tokens}")
-        if len(self.waiting) >= self.max_queue:
+        # Requests that free slots will take at the next step are not queued in earnest.
+        free_slots = max(0, self.max_num_seqs - len(self.running))
+        if len(self.waiting) - free_slots >= self.max_queue:
             raise QueueFullError(f"{len(self.waiting)} requests already waiting; retry later")
         self.waiting.append(seq)
 

@@ -47,3 +47,8 @@ class StepCostModel:
     def cost_per_token(self, num_seqs: int) -> float:
         s = max(1, num_seqs)
         return self.per_token_s * s / (self.fixed_s + self.per_token_s * s)
+
+    def seconds_per_token(self, num_seqs: int) -> float:
+        """What one generated token costs in plain decoding with `num_seqs` sequences."""
+        s = max(1, num_seqs)
+        return (self.fixed_s + self.per_token_s * s) / s

@@ -118,3 +118,17 @@ def test_bad_requests_are_refused_with_a_reason(default_engine, prompt, params, 
 def test_out_of_vocabulary_token_ids_are_refused(default_engine):
     with pytest.raises(ValueError, match="vocabulary"):
         default_engine.add_request([1, 2, 10**7], SamplingParams())
+
+
+def test_stop_string_token_count_does_not_depend_on_speculation(default_engine):
+    """Tokens accepted past the one completing a stop string are dropped, as plain decoding
+    would never have generated them."""
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+    prompt = f"Repeat exactly: {text}"
+    outs = {}
+    for label, spec in (("plain", PLAIN), ("spec", SpecParams())):
+        params = SamplingParams(max_tokens=60, temperature=0.0, stop=["iota"], spec=spec)
+        s = run(default_engine, [prompt], params)[0]
+        outs[label] = (s.output_ids, default_engine.output_text(s), s.finish_reason)
+    assert outs["plain"] == outs["spec"]
+    assert outs["spec"][2] == "stop"  # the model does repeat the text: the stop string is hit

@@ -433,3 +433,14 @@ def test_draft_stops_at_eos(name):
     spec.begin(0, prompt)
     d = draft(spec, prompt + [5, 6, 7, 8], n_max=8)
     assert d is not None and d.token_ids[-1] == 2 and 2 not in d.token_ids[:-1]
+
+
+def test_ngram_map_on_a_history_shorter_than_its_window_terminates():
+    """Regression: a lookup limit below -1 once made NgramIndex.occurrences loop forever."""
+    from speculant.spec.base import DraftParams, DraftRequest, SpeculatorContext
+    from speculant.spec.ngram_map import NgramMapKSpeculator
+
+    spec = NgramMapKSpeculator(SpeculatorContext(vocab_size=100))
+    spec.begin(0, [1, 2, 3, 1, 2])
+    out = spec.draft([DraftRequest(0, [1, 2, 3, 1, 2, 3], DraftParams(n_max=8))])
+    assert isinstance(out, dict)  # returned at all: the default 12-token key is never matched

@@ -22,7 +22,14 @@ from speculant.spec.acceptance import (
     survival,
     worth_drafting,
 )
-from speculant.spec.base import CommittedTokens, Draft, DraftRequest, Speculator, SpeculatorStats
+from speculant.spec.base import (
+    CommittedTokens,
+    Draft,
+    DraftParams,
+    DraftRequest,
+    Speculator,
+    SpeculatorStats,
+)
 
 
 @dataclass(slots=True)
@@ -44,6 +51,7 @@ class SpeculatorChain:
         self.counts = {name: AcceptanceCounts() for name in names}
         self.probe_interval = probe_interval
         self._seqs: dict[int, _SeqState] = {}
+        self._draft_seconds = {name: 0.0 for name in names}  # per drafted position, model drafters
 
     @property
     def names(self) -> list[str]:
@@ -83,15 +91,26 @@ class SpeculatorChain:
 
     # ---- drafting ----------------------------------------------------------------------------
 
-    def draft(self, requests: list[DraftRequest], cost_per_token: float) -> dict[int, Draft]:
-        """One round: every allowed speculator drafts for its sequences; the best draft wins."""
+    def draft(self, requests: list[DraftRequest], cost_per_token: float,
+              seconds_per_token: float = 0.0) -> dict[int, Draft]:
+        """One round: every allowed speculator drafts for its sequences; the best draft wins.
+
+        `cost_per_token`: verifying one draft token, in tokens' worth of step time.
+        `seconds_per_token`: what one token costs in plain decoding, to price model drafters.
+        """
         proposals: dict[int, list[Draft]] = {r.seq_id: [] for r in requests}
         for name, spec in self.speculators.items():
             mine = [r for r in requests if name in self._seqs[r.seq_id].types]
+            if spec.is_model_based:
+                mine = self._budget_model_drafts(name, mine, cost_per_token, seconds_per_token)
             if not mine:
                 continue
+            t0 = time.perf_counter()
             with self._timed(name, "draft"):
                 drafts = spec.draft(mine)
+            if spec.is_model_based:
+                self._observe_draft_time(name, time.perf_counter() - t0,
+                                         sum(len(d) for d in drafts.values()))
             for seq_id, d in drafts.items():
                 if len(d) > 0:
                     d.source = name
@@ -110,6 +129,30 @@ class SpeculatorChain:
                 state.silent_steps = 0
                 winners[seq_id] = best
         return winners
+
+    def _budget_model_drafts(self, name: str, requests: list[DraftRequest], cost_per_token: float,
+                             seconds_per_token: float) -> list[DraftRequest]:
+        """A model drafter costs time per drafted position whether or not its draft wins: cap
+        each sequence's n_max where expected acceptance stops paying for drafting + verifying
+        (probe with one token after `probe_interval` silent rounds)."""
+        draft_cost = self._draft_seconds[name] / seconds_per_token if seconds_per_token > 0 else 0.0
+        out = []
+        for r in requests:
+            state = self._seqs[r.seq_id]
+            surv = survival(conditional_rates(self.counts[name], state.counts.get(name), r.params.n_max))
+            n = worth_drafting(surv, cost_per_token + draft_cost)
+            if n == 0 and state.silent_steps >= self.probe_interval:
+                n = 1
+            if n > 0:
+                out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
+                    n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min)))
+        return out
+
+    def _observe_draft_time(self, name: str, seconds: float, num_positions: int) -> None:
+        if num_positions > 0:  # EMA of seconds per drafted (sequence, position)
+            per = seconds / num_positions
+            self._draft_seconds[name] = 0.8 * self._draft_seconds[name] + 0.2 * per \
+                if self._draft_seconds[name] else per
 
     def _pick(self, state: _SeqState, drafts: list[Draft], n_min: int,
               cost_per_token: float) -> Draft | None:

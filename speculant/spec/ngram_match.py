@@ -159,7 +159,7 @@ class NgramIndex:
         """Starts of the occurrences of key at or before `limit`, newest first."""
         pos = self.last.get(key, -1)
         prev = self.prev
-        while pos > limit:
+        while pos >= 0 and pos > limit:  # limit may be < -1 for short histories
             pos = prev[pos]
         while pos >= 0:
             yield pos

@@ -1,0 +1,220 @@
+"""Draft-model speculation: a small model proposes, the target verifies (Leviathan et al. 2023).
+
+One draft context serves every sequence (llama.cpp PR #22787/#22838): a single paged KV cache
+of the draft model holds all sequences, and each draft position is ONE batched draft forward
+over every sequence still drafting, so draft forwards per engine step equal draft positions,
+not sequences x positions (`num_draft_forwards` counts them).
+
+The draft cache mirrors the target's committed tokens lazily: a draft round first rolls each
+sequence's draft cache back to the longest prefix it shares with the sequence's history (the
+rejected draft tokens go), then evaluates the tokens the target committed since, together with
+the last sampled token, in the same forward that yields the first draft position. This is the
+`process` mirroring of the seeds done in one forward instead of two.
+
+Drafts are greedy by default (the draft distribution q is then one-hot and `probs` is None);
+with `temperature > 0` draft tokens are sampled from softmax(logits / T) and `probs` carries q,
+so rejection sampling can use it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculant.forward_batch import SeqChunk, build_forward_batch
+from speculant.kv_cache import CacheFullError
+from speculant.spec.base import Draft, DraftRequest, Speculator, SpeculatorContext, register
+from speculant.spec.ngram_match import common_prefix_len
+
+
+@dataclass(slots=True)
+class DraftModelConfig:
+    """- model: path of the draft model (GGUF or HF folder); empty = the engine's --draft-model.
+    - dtype: weights of the draft (auto keeps GGUF quantization).
+    - kv_cache_tokens: capacity of the shared draft KV cache (all sequences).
+    - max_chunk_tokens: longest catch-up evaluated in one draft forward (long prompts are
+      mirrored over several rounds; the sequence drafts once it has caught up).
+    - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their probabilities.
+    """
+
+    model: str = ""
+    dtype: str = "auto"
+    kv_cache_tokens: int = 32768
+    block_size: int = 16
+    max_chunk_tokens: int = 1024
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_tokens", "block_size", "max_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"draft: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.temperature <= 10.0:
+            raise ValueError(f"draft: temperature must be in [0, 10], got {self.temperature}")
+
+
+@register
+class DraftModelSpeculator(Speculator):
+    name = "draft"
+    config_class = DraftModelConfig
+    is_model_based = True
+    provides_probs = True
+
+    def __init__(self, ctx: SpeculatorContext, config: DraftModelConfig | None = None,
+                 model=None, tokenizer=None):
+        """`model` (a `speculant.model.Model`) may be given directly; else it is loaded from
+        `config.model`."""
+        self.config = config = config or DraftModelConfig()
+        if model is None:
+            model, tokenizer = load_draft(config.model, config.dtype, ctx.device)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_positions = model.config.max_position_embeddings
+        self.cache = model.new_kv_cache(-(-config.kv_cache_tokens // config.block_size),
+                                        config.block_size)
+        self.vocab_size = min(ctx.vocab_size, model.config.vocab_size)
+        self.eos_token_ids = frozenset(ctx.eos_token_ids)
+        self._cached: dict[int, list[int]] = {}  # tokens whose K/V are in the draft cache
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self.num_draft_forwards = 0
+        self.num_draft_rounds = 0
+
+    @classmethod
+    def from_engine(cls, ctx: SpeculatorContext, config: DraftModelConfig | None, engine):
+        """Load the draft named by the config or the engine's --draft-model, and check that its
+        vocabulary is compatible with the target's."""
+        from speculant.spec.vocab_check import check_vocab_compatible
+
+        config = config or DraftModelConfig()
+        if not config.model:
+            config.model = engine.config.draft_model or ""
+        model, tokenizer = load_draft(config.model, config.dtype, ctx.device)
+        check_vocab_compatible(engine.tokenizer, tokenizer)
+        return cls(ctx, config, model=model, tokenizer=tokenizer)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def begin(self, seq_id: int, prompt_ids: list[int]) -> None:
+        if seq_id in self._cached:
+            raise ValueError(f"draft: sequence {seq_id} already begun")
+        self.cache.allocate(seq_id)
+        self._cached[seq_id] = []
+
+    def accept(self, seq_id: int, num_accepted: int, is_other: bool) -> None:
+        self._state(seq_id)  # rollback happens at the next round, against the real history
+
+    def end(self, seq_id: int) -> None:
+        if self._cached.pop(seq_id, None) is not None:
+            self.cache.free(seq_id)
+
+    def _state(self, seq_id: int) -> list[int]:
+        if seq_id not in self._cached:
+            raise ValueError(f"draft: sequence {seq_id} was not begun")
+        return self._cached[seq_id]
+
+    # ---- drafting ----------------------------------------------------------------------------
+
+    def draft(self, requests: list[DraftRequest]) -> dict[int, Draft]:
+        self.num_draft_rounds += 1
+        by_id = {r.seq_id: r for r in requests if self._catch_up_fits(r)}
+        grown = {seq_id: _Growing() for seq_id in by_id}
+        # 1) catch up with the target's committed tokens + the last token; 2..n) one token each.
+        chunks = [self._catch_up_chunk(r) for r in by_id.values()]
+        while chunks:
+            rows = self._forward(chunks)
+            if rows is None:
+                break
+            next_chunks = []
+            for chunk, logits in zip(chunks, rows):
+                if logits is None:
+                    continue  # a long catch-up continues next round
+                req, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
+                tok, prob, q = self._pick(logits)
+                if prob < req.params.p_min:
+                    continue
+                grow.add(tok, prob, q)
+                pos = chunk.start_pos + len(chunk.token_ids)
+                if len(grow.ids) < req.params.n_max and tok not in self.eos_token_ids \
+                        and self.cache.can_grow(req.seq_id, pos + 1):
+                    next_chunks.append(SeqChunk(req.seq_id, pos, [tok], 1))
+            chunks = next_chunks
+        return {seq_id: g.to_draft() for seq_id, g in grown.items()
+                if len(g.ids) >= max(1, by_id[seq_id].params.n_min)}
+
+    def _catch_up_fits(self, r: DraftRequest) -> bool:
+        """Roll the draft cache back to what the history still agrees with; False when the
+        sequence cannot be drafted for (context or draft cache exhausted)."""
+        cached = self._state(r.seq_id)
+        history = r.token_ids
+        keep = min(common_prefix_len(cached, history), len(history) - 1)
+        if keep < len(cached):
+            del cached[keep:]
+            self.cache.truncate(r.seq_id, keep)
+        need = len(history) + r.params.n_max
+        return r.params.n_max > 0 and need < self.max_positions and self.cache.can_grow(r.seq_id, need)
+
+    def _catch_up_chunk(self, r: DraftRequest) -> SeqChunk:
+        cached = self._cached[r.seq_id]
+        pending = r.token_ids[len(cached):]
+        if len(pending) > self.config.max_chunk_tokens:  # too long for one round: no logits yet
+            return SeqChunk(r.seq_id, len(cached), pending[:self.config.max_chunk_tokens], 0)
+        return SeqChunk(r.seq_id, len(cached), pending, 1)
+
+    def _forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor | None] | None:
+        """One batched draft forward; per chunk its logits row [vocab] (None if it asked for
+        none). None when the draft cache cannot take the batch: the round ends without drafts."""
+        try:
+            batch = build_forward_batch(self.cache, chunks, self.model.device)
+        except CacheFullError:
+            return None
+        self.num_draft_forwards += 1
+        logits = self.model.forward(batch, self.cache).logits  # [num chunks with logits, vocab]
+        rows, i = [], 0
+        for chunk in chunks:
+            cached = self._cached[chunk.seq_id]
+            cached.extend(chunk.token_ids)
+            self.cache.set_length(chunk.seq_id, len(cached))
+            rows.append(logits[i] if chunk.num_logits else None)
+            i += chunk.num_logits
+        return rows
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
+        # logits [vocab_dft]; tokens beyond the target's vocabulary are never proposed.
+        logits = logits[:self.vocab_size]
+        if self.config.temperature == 0.0:
+            probs = torch.softmax(logits, dim=-1)
+            tok = int(torch.argmax(logits))
+            return tok, float(probs[tok]), None
+        probs = torch.softmax(logits / self.config.temperature, dim=-1)
+        tok = int(torch.multinomial(probs, 1, generator=self._generator))
+        return tok, float(probs[tok]), probs
+
+
+class _Growing:
+    __slots__ = ("ids", "probs", "qs")
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.probs: list[float] = []
+        self.qs: list[torch.Tensor] = []
+
+    def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
+        self.ids.append(tok)
+        self.probs.append(prob)
+        if q is not None:
+            self.qs.append(q)
+
+    def to_draft(self) -> Draft:
+        q = torch.stack(self.qs) if self.qs else None  # [k, vocab]
+        return Draft(self.ids, expected_accepted=None, probs=q, token_probs=list(self.probs))
+
+
+def load_draft(path: str, dtype: str, device: str):
+    from speculant.loader import load_model
+    from speculant.model import Model
+    from speculant.tokenizer import load_tokenizer
+
+    if not path:
+        raise ValueError("draft: no draft model given (use --draft-model PATH)")
+    loaded = load_model(path, dtype)
+    return Model(loaded.config, loaded.weights, device), load_tokenizer(loaded.files)

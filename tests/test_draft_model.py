@@ -1,0 +1,107 @@
+"""Draft-model speculation: one shared draft context, parallel drafting, exactness, vocab checks."""
+import json
+import shutil
+
+import pytest
+
+from conftest import TEST_THREADS, save_tiny_hf_model
+from speculant.engine import Engine
+from speculant.sampling_params import SamplingParams, SpecParams
+from speculant.spec.draft_model import DraftModelSpeculator
+from speculant.spec.vocab_check import IncompatibleVocabError, check_vocab_compatible
+from speculant.tokenizer import Tokenizer, _hf_folder_files
+
+PROMPTS = ["Write a limerick about a cat.", "Explain what a CPU cache is.",
+           "List the planets of the solar system.", "What is photosynthesis?"]
+
+
+def run(engine, prompts, spec, max_tokens=32):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, spec=spec)
+    chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    seqs = [engine.add_request(c, params) for c in chats]
+    while engine.has_unfinished():
+        engine.step()
+    for s in seqs:
+        engine.release(s)
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def self_draft_engine():
+    return Engine(model="default", spec_type=["draft"], draft_model="default", max_num_seqs=4,
+                  num_threads=TEST_THREADS, kv_cache_tokens=8192)
+
+
+def test_target_as_its_own_draft_accepts_nearly_everything_and_is_exact(self_draft_engine):
+    plain = run(self_draft_engine, PROMPTS[:2], SpecParams(enabled=False))
+    spec = run(self_draft_engine, PROMPTS[:2], SpecParams())
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+    drafted = sum(s.spec.num_draft_tokens for s in spec)
+    accepted = sum(s.spec.num_accepted_tokens for s in spec)
+    # Same weights and kernels: a rejection can only come from a near-tie flipped by a different
+    # batch shape in the target's verification forward, which is batch-invariant here.
+    assert drafted > 0 and accepted / drafted > 0.97
+
+
+def test_parallel_drafting_one_forward_per_draft_position(self_draft_engine):
+    """Draft forwards per round equal draft positions, not sequences x positions."""
+    from speculant.spec.base import DraftParams, DraftRequest
+
+    spec: DraftModelSpeculator = self_draft_engine.chain.speculators["draft"]
+    tok = self_draft_engine.tokenizer
+    histories = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
+    for i, h in enumerate(histories):
+        spec.begin(100 + i, h)
+    try:
+        before = spec.num_draft_forwards
+        drafts = spec.draft([DraftRequest(100 + i, h, DraftParams(n_max=6))
+                             for i, h in enumerate(histories)])
+        assert sorted(len(d) for d in drafts.values()) == [6, 6, 6, 6]
+        # One forward catches all four up and yields position 1; five more, one per position.
+        assert spec.num_draft_forwards - before == 6
+        # Next round after the target accepted 2 tokens of each: rollback, catch-up, draft again.
+        before = spec.num_draft_forwards
+        grown = [h + drafts[100 + i].token_ids[:3] for i, h in enumerate(histories)]
+        again = spec.draft([DraftRequest(100 + i, h, DraftParams(n_max=3)) for i, h in enumerate(grown)])
+        assert len(again) == 4  # (a draft ends early only at EOS)
+        assert spec.num_draft_forwards - before == max(len(d) for d in again.values())
+    finally:
+        for i in range(len(histories)):
+            spec.end(100 + i)
+
+
+def test_random_draft_accepts_little_and_output_stays_exact(tmp_path, default_tokenizer_dir):
+    save_tiny_hf_model(tmp_path, default_tokenizer_dir, "llama", seed=3)
+    engine = Engine(model="default", spec_type=["draft"], draft_model=str(tmp_path),
+                    max_num_seqs=4, num_threads=TEST_THREADS, kv_cache_tokens=8192)
+    plain = run(engine, PROMPTS[:2], SpecParams(enabled=False))
+    spec = run(engine, PROMPTS[:2], SpecParams())
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+    stats = engine.chain.stats["draft"]
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate() < 0.2
+
+
+def test_incompatible_vocabulary_is_refused_naming_the_first_mismatch(tmp_path, default_tokenizer_dir):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{default_tokenizer_dir}/{name}", tmp_path / name)
+    tok_json = json.loads((tmp_path / "tokenizer.json").read_text())
+    vocab = tok_json["model"]["vocab"]
+    a = next(t for t, i in vocab.items() if i == 100)
+    b = next(t for t, i in vocab.items() if i == 101)
+    vocab[a], vocab[b] = 101, 100  # same tokens, two ids swapped: the first mismatch is 100
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok_json))
+    target = Tokenizer(_hf_folder_files(default_tokenizer_dir))
+    draft = Tokenizer(_hf_folder_files(str(tmp_path)))
+    with pytest.raises(IncompatibleVocabError, match="token 100"):
+        check_vocab_compatible(target, draft)
+    check_vocab_compatible(target, target)
+
+
+def test_draft_lifecycle_misuse_is_loud(self_draft_engine):
+    spec: DraftModelSpeculator = self_draft_engine.chain.speculators["draft"]
+    spec.begin(999, [1, 2, 3])
+    with pytest.raises(ValueError, match="999"):
+        spec.begin(999, [1, 2, 3])
+    spec.end(999)
+    with pytest.raises(ValueError, match="999"):
+        spec.accept(999, 1, False)
