@@ -1,0 +1,380 @@
+"""`speculant bench` results: the JSON document, the markdown table, the summary and the chart.
+
+JSON schema (`"schema": "speculant-bench/2"`; the file in `--out-dir` and the last stdout line
+are the same object). Rates are decode tokens/s: tokens after the first of each request over the
+time of steps without a prompt chunk (prefill excluded), summed over a category's prompts.
+
+Top level
+  schema         "speculant-bench/2"
+  date           ISO 8601 local time of the run, e.g. "2025-05-01T10:20:30+00:00"
+  machine        {"cpu", "num_cpus", "threads", "platform", "python", "torch"}
+  model          the target model's path
+  max_tokens     tokens generated per prompt (EOS stops earlier unless --ignore-eos)
+  concurrency    [int], the levels measured
+  repeats        measurements per (category, method, concurrency); methods interleave per repeat
+  methods        ["plain", then each --spec-type chain, e.g. "ngram_mod,suffix"]
+  results        [Result], one per category x method x concurrency (flat list)
+  categories     {category: Category}                                    per category
+  by_method      {method: {concurrency as str: MethodSummary}}           per method
+  peers          {peer name: Peer}  (empty without --compare)
+  summary        {category: {concurrency as str: Best}}
+  interference   true if any kept measurement saw other processes use the CPU
+  files          {"json": path, "chart": path or null}
+
+Result: one method on one category at one concurrency
+  method, category, concurrency, num_prompts, prompt_tokens, generated_tokens
+  prefill_tok_s         prompt tokens / time of steps with a prompt chunk
+  decode_tok_s          median over repeats            decode_tok_s_best  fastest repeat
+  repeats_decode_tok_s  [float], every repeat          e2e_tok_s          generated / wall time
+  speedup               decode_tok_s / plain's at the same category and concurrency
+  mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
+  acceptance_rate       accepted / drafted tokens (0.0 without drafts)
+  draft_time_share      drafting time / step time (draft + forward + verify)
+  identical_to_plain    prompts whose output equals plain greedy output in every repeat
+                        (null for plain itself)
+  num_steps, num_drafts, num_draft_tokens, num_accepted_tokens   raw counters
+  interference          a kept repeat saw other processes use the CPU (see bench_timing)
+  other_cpu_cores       the largest average of cores others used during a kept repeat
+  own_cpu_util          our CPU time / (wall x threads), median over repeats
+  num_reruns            repeats re-run because of interference (--rerun-on-interference)
+
+Category
+  num_prompts
+  methods   {method: {concurrency as str: Result minus method, category, concurrency}}
+  peers     {peer name: {"decode_tok_s", "ratio_plain", "ratio_best", "best_method"}}:
+            speculant plain, and the category's best method, over the peer, both at the lowest
+            concurrency measured (peers decode one request at a time)
+
+MethodSummary: one method over all categories at one concurrency
+  geomean_speedup, min_speedup, max_speedup, mean_accepted_length (over all steps),
+  acceptance_rate (over all drafts), identical_to_plain, num_prompts
+
+Peer (--compare): the same prompts through another implementation, one request at a time
+  kind           "hf" | "openai"
+  method         "plain" | "prompt_lookup" | "assistant" | "server"
+  decode_tok_s, decode_tok_s_best, prefill_tok_s, num_prompts, interference (null: not
+  measurable, e.g. a server's CPU), plus kind-specific fields (dtype, url, timings_source, ...)
+  per_category   {category: {"decode_tok_s", "decode_tok_s_best", "num_prompts",
+                             "generated_tokens"}}
+
+Best: the fastest speculative method of a category at one concurrency
+  method, speedup, decode_tok_s, mean_accepted_length, identical_to_plain, num_prompts
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+
+SCHEMA = "speculant-bench/2"
+PLAIN = "plain"
+
+
+@dataclass(slots=True)
+class RunResult:
+    method: str
+    concurrency: int
+    category: str
+    num_prompts: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    e2e_tok_s: float
+    mean_accepted_length: float
+    acceptance_rate: float
+    draft_time_share: float
+    identical_to_plain: int | None = None
+    repeats_decode_tok_s: list[float] = field(default_factory=list)
+    decode_tok_s_best: float = 0.0
+    speedup: float = 1.0
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    interference: bool = False
+    other_cpu_cores: float = 0.0
+    own_cpu_util: float = 0.0
+    num_reruns: int = 0
+    token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "token_ids"}
+
+
+@dataclass(slots=True)
+class PeerResult:
+    """A peer on one category: per repeat, decode tokens and the time they took."""
+
+    name: str
+    kind: str
+    method: str
+    category: str
+    num_prompts: int
+    generated_tokens: int
+    decode_tokens: list[int]  # [repeats]
+    decode_time_s: list[float]  # [repeats]
+    prefill_tok_s: float = 0.0
+    interference: bool | None = None
+    num_reruns: int = 0
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def rates(self) -> list[float]:
+        return [n / t for n, t in zip(self.decode_tokens, self.decode_time_s) if t > 0]
+
+    @property
+    def decode_tok_s(self) -> float:
+        return round(statistics.median(self.rates), 2) if self.rates else 0.0
+
+    @property
+    def decode_tok_s_best(self) -> float:
+        return round(max(self.rates), 2) if self.rates else 0.0
+
+
+# ---- the JSON document -----------------------------------------------------------------------
+
+def fill_speedups(results: list[RunResult]) -> None:
+    """Speedup of each result over plain at the same category and concurrency."""
+    plain = {(r.category, r.concurrency): r for r in results if r.method == PLAIN}
+    for r in results:
+        base = plain.get((r.category, r.concurrency))
+        r.speedup = round(r.decode_tok_s / base.decode_tok_s, 3) if base and base.decode_tok_s else 0.0
+
+
+def build_report(meta: dict, results: list[RunResult], peers: list[PeerResult]) -> dict:
+    """The whole JSON document; `meta` holds date, machine, model, max_tokens, concurrency,
+    repeats, methods."""
+    fill_speedups(results)
+    categories = {r.category: None for r in results}
+    summary = {cat: _best_by_level(results, cat) for cat in categories}
+    return {
+        "schema": SCHEMA, **meta,
+        "results": [r.to_dict() for r in results],
+        "categories": {cat: _category(results, peers, cat, summary[cat]) for cat in categories},
+        "by_method": _by_method(results),
+        "peers": _peers(peers),
+        "summary": summary,
+        "interference": any(r.interference for r in results) or any(p.interference for p in peers),
+        "files": {"json": None, "chart": None},
+    }
+
+
+def _category(results: list[RunResult], peers: list[PeerResult], cat: str, best: dict) -> dict:
+    mine = [r for r in results if r.category == cat]
+    methods: dict[str, dict] = {}
+    for r in mine:
+        row = {k: v for k, v in r.to_dict().items() if k not in ("method", "category", "concurrency")}
+        methods.setdefault(r.method, {})[str(r.concurrency)] = row
+    return {"num_prompts": max((r.num_prompts for r in mine), default=0), "methods": methods,
+            "peers": _peer_ratios(mine, [p for p in peers if p.category == cat], best)}
+
+
+def _peer_ratios(mine: list[RunResult], peers: list[PeerResult], best: dict) -> dict:
+    if not mine or not peers:
+        return {}
+    level = min(r.concurrency for r in mine)
+    plain = next((r for r in mine if r.method == PLAIN and r.concurrency == level), None)
+    top = best.get(str(level))
+    top_rate = top["decode_tok_s"] if top else (plain.decode_tok_s if plain else 0.0)
+    out = {}
+    for p in peers:
+        rate = p.decode_tok_s
+        out[p.name] = {"decode_tok_s": rate,
+                       "ratio_plain": _ratio(plain.decode_tok_s if plain else 0.0, rate),
+                       "ratio_best": _ratio(top_rate, rate),
+                       "best_method": top["method"] if top else PLAIN}
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else 0.0
+
+
+def _best_by_level(results: list[RunResult], cat: str) -> dict:
+    out = {}
+    for level in sorted({r.concurrency for r in results if r.category == cat}):
+        spec = [r for r in results if r.category == cat and r.concurrency == level and r.method != PLAIN]
+        if not spec:
+            continue
+        b = max(spec, key=lambda r: r.speedup)
+        out[str(level)] = {"method": b.method, "speedup": b.speedup, "decode_tok_s": b.decode_tok_s,
+                           "mean_accepted_length": b.mean_accepted_length,
+                           "identical_to_plain": b.identical_to_plain, "num_prompts": b.num_prompts}
+    return out
+
+
+def _by_method(results: list[RunResult]) -> dict:
+    out: dict[str, dict] = {}
+    for method in dict.fromkeys(r.method for r in results):
+        for level in sorted({r.concurrency for r in results if r.method == method}):
+            rows = [r for r in results if r.method == method and r.concurrency == level]
+            out.setdefault(method, {})[str(level)] = _method_summary(rows)
+    return out
+
+
+def _method_summary(rows: list[RunResult]) -> dict:
+    speedups = [r.speedup for r in rows if r.speedup > 0]
+    steps = sum(r.num_steps for r in rows)
+    drafted = sum(r.num_draft_tokens for r in rows)
+    accepted = sum(r.num_accepted_tokens for r in rows)
+    same = [r.identical_to_plain for r in rows]
+    return {
+        "geomean_speedup": round(math.exp(statistics.fmean(math.log(s) for s in speedups)), 3)
+        if speedups else 0.0,
+        "min_speedup": min(speedups, default=0.0), "max_speedup": max(speedups, default=0.0),
+        "mean_accepted_length": round(1 + accepted / steps, 3) if steps and drafted else 1.0,
+        "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
+        "identical_to_plain": None if None in same else sum(same),
+        "num_prompts": sum(r.num_prompts for r in rows),
+    }
+
+
+def _peers(peers: list[PeerResult]) -> dict:
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(p.name for p in peers):
+        mine = [p for p in peers if p.name == name]
+        total = _pooled(mine)
+        flags = [p.interference for p in mine]
+        out[name] = {
+            "kind": mine[0].kind, "method": mine[0].method, **mine[0].detail,
+            "decode_tok_s": total.decode_tok_s, "decode_tok_s_best": total.decode_tok_s_best,
+            "prefill_tok_s": round(statistics.median(p.prefill_tok_s for p in mine), 1),
+            "num_prompts": sum(p.num_prompts for p in mine),
+            "interference": None if None in flags else any(flags),
+            "per_category": {p.category: {"decode_tok_s": p.decode_tok_s,
+                                          "decode_tok_s_best": p.decode_tok_s_best,
+                                          "num_prompts": p.num_prompts,
+                                          "generated_tokens": p.generated_tokens} for p in mine},
+        }
+    return out
+
+
+def _pooled(peers: list[PeerResult]) -> PeerResult:
+    """All categories of one peer as one: per repeat, tokens and times summed."""
+    repeats = min(len(p.decode_tokens) for p in peers)
+    return PeerResult(peers[0].name, peers[0].kind, peers[0].method, "all",
+                      sum(p.num_prompts for p in peers), sum(p.generated_tokens for p in peers),
+                      [sum(p.decode_tokens[i] for p in peers) for i in range(repeats)],
+                      [sum(p.decode_time_s[i] for p in peers) for i in range(repeats)])
+
+
+# ---- text --------------------------------------------------------------------------------------
+
+def markdown_table(report: dict) -> str:
+    head = ["category", "method", "conc", "decode tok/s", "best tok/s", "speedup", "acc.len",
+            "acc.rate", "draft share", "same as plain", "prefill tok/s", "interference"]
+    rows = []
+    for r in report["results"]:
+        same = "—" if r["identical_to_plain"] is None else f"{r['identical_to_plain']}/{r['num_prompts']}"
+        rows.append([r["category"], r["method"], str(r["concurrency"]), f"{r['decode_tok_s']:.1f}",
+                     f"{r['decode_tok_s_best']:.1f}", f"{r['speedup']:.2f}x",
+                     f"{r['mean_accepted_length']:.2f}", f"{r['acceptance_rate']:.2f}",
+                     f"{r['draft_time_share']:.2f}", same, f"{r['prefill_tok_s']:.0f}",
+                     "yes" if r["interference"] else ""])
+    return _markdown(head, rows)
+
+
+def peers_table(report: dict) -> str:
+    head = ["category", "peer", "peer tok/s", "speculant plain ÷ peer", "best method",
+            "best ÷ peer"]
+    rows = []
+    for cat, c in report["categories"].items():
+        for name, p in c["peers"].items():
+            rows.append([cat, name, f"{p['decode_tok_s']:.1f}", f"{p['ratio_plain']:.2f}x",
+                         p["best_method"], f"{p['ratio_best']:.2f}x"])
+    return _markdown(head, rows) if rows else ""
+
+
+def _markdown(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *(line(r) for r in rows)])
+
+
+def summary_text(report: dict) -> str:
+    """A few lines a person reads at a glance."""
+    lines = [f"Summary ({report['date']}, {report['machine']['cpu']}, "
+             f"{report['machine']['threads']} threads; median decode tok/s):"]
+    for cat, by_level in report["summary"].items():
+        for level, b in by_level.items():
+            same = "n/a" if b["identical_to_plain"] is None else f"{b['identical_to_plain']}/{b['num_prompts']}"
+            verdict = "faster than plain" if b["speedup"] > 1 else "NOT faster than plain"
+            lines.append(f"  {cat:<16} c={level:<3} best {b['method']:<24} {b['speedup']:5.2f}x "
+                         f"({verdict}), acc.len {b['mean_accepted_length']:.2f}, "
+                         f"outputs identical {same}")
+    for name, p in report["peers"].items():
+        lines.append(f"  peer {name}: {p['decode_tok_s']:.1f} tok/s over {p['num_prompts']} prompts")
+    flagged = sum(r["interference"] for r in report["results"])
+    lines.append(f"  interference: {flagged} of {len(report['results'])} measurements flagged"
+                 if report["interference"] else "  interference: none detected")
+    return "\n".join(lines)
+
+
+# ---- chart and files -------------------------------------------------------------------------
+
+def write_chart(report: dict, path: str) -> str:
+    """Speedup over plain (top) and decode tok/s with peers (bottom), one column per concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = report["concurrency"]
+    cats = list(report["categories"])
+    fig, axes = plt.subplots(2, len(levels), figsize=(max(7, 1.1 * len(cats) + 4) * len(levels), 8),
+                             squeeze=False)
+    for col, level in enumerate(levels):
+        key = str(level)
+        spec = [m for m in report["methods"] if m != PLAIN]
+        _bars(axes[0][col], cats, {m: [_cell(report, c, m, key, "speedup") for c in cats] for m in spec})
+        axes[0][col].axhline(1.0, color="black", linewidth=0.8)
+        axes[0][col].set_title(f"speedup over plain, concurrency {level}")
+        series = {m: [_cell(report, c, m, key, "decode_tok_s") for c in cats] for m in report["methods"]}
+        if col == 0:
+            for name in report["peers"]:
+                series[name] = [report["categories"][c]["peers"].get(name, {}).get("decode_tok_s", 0.0)
+                                for c in cats]
+        _bars(axes[1][col], cats, series)
+        axes[1][col].set_title(f"decode tokens/s, concurrency {level}")
+    m = report["machine"]
+    fig.suptitle(f"speculant bench {report['date'][:16]} — {m['cpu']}, {m['threads']} threads — "
+                 f"{os.path.basename(str(report['model']))}, {report['max_tokens']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _cell(report: dict, cat: str, method: str, level: str, key: str) -> float:
+    return report["categories"][cat]["methods"].get(method, {}).get(level, {}).get(key, 0.0)
+
+
+def _bars(ax, cats: list[str], series: dict[str, list[float]]) -> None:
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(cats))], values,
+               width, label=name)
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    if series:
+        ax.legend(fontsize=8)
+
+
+def write_outputs(report: dict, out_dir: str, prefix: str = "bench", chart: bool = True) -> dict:
+    """Write the chart and the JSON into `out_dir`, named by the run's date; returns `files`."""
+    os.makedirs(out_dir, exist_ok=True)
+    stamp = datetime.fromisoformat(report["date"]).strftime("%Y%m%d-%H%M%S")
+    base = os.path.join(out_dir, f"{prefix}-{stamp}")
+    files = {"json": base + ".json", "chart": write_chart(report, base + ".png") if chart else None}
+    report["files"] = files
+    with open(files["json"], "w") as f:
+        json.dump(report, f, indent=1)
+    return files
+
+
+def now_iso() -> str:
+    return datetime.now().astimezone().isoformat(timespec="seconds")
