@@ -1,9 +1,17 @@
-"""`speculant bench`: prefill and decode tokens/s, plain and speculative, in one process.
+"""`speculant bench`: plain and speculative decoding on the same prompts, in one process.
 
-Every method runs the same prompts in the same engine (one model load); speculator state is
-rebuilt before every run so nothing learned on a previous run (global suffix trees, n-gram
-pools) inflates the next one. Each measurement is repeated; the table shows medians. The last
-stdout line is one JSON object (schema in the README).
+    speculant bench [--prompts FILE.jsonl [--categories a,b] [--limit N]]
+                    [--spec-type "a,b;c"] [--concurrency 1,8] [--max-tokens N] [--repeats R]
+                    [--compare hf[,openai=URL]] [--record FILE] [--out-dir DIR]
+    speculant bench --replay RECORDS.jsonl --spec-type "a,b;c"      (no model: bench_replay)
+
+Every method (plain, then each ';'-separated chain of --spec-type) runs every category at every
+concurrency in one engine (one model load). Speculator state is rebuilt before every run, so
+nothing learned on a previous run (global suffix trees, n-gram pools) inflates the next one.
+Repeats interleave the methods (plain, A, B, plain, A, B, ...) so that drift on a shared machine
+hits all of them alike; every run is watched for CPU interference (bench_timing) and can be
+re-run. Output: a markdown table and a summary on stdout, a chart and a JSON file in --out-dir
+(named by date), and as the last stdout line the same JSON object (schema: bench_report).
 """
 from __future__ import annotations
 
@@ -11,7 +19,10 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from speculant.bench_report import PLAIN, RunResult, now_iso
 
 BUILTIN_PROMPTS = [
     "Explain how a hash map works, with an example in Python.",
@@ -33,38 +44,66 @@ def add_bench_args(p) -> None:
     g.add_argument("--concurrency", default="1,8", help="comma-separated concurrency levels")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
     g.add_argument("--repeats", type=int, default=1, help="repeats per measurement (median shown)")
+    g.add_argument("--warmup-tokens", type=int, default=16,
+                   help="tokens of the untimed warm-up run of each method (0: none)")
     g.add_argument("--verify", default="auto", choices=["auto", "greedy", "match", "rejection"])
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-tokens (fixed-length decode measurement)")
-    g.add_argument("--compare", default=None, help="peer to measure in the same run: hf")
+    g.add_argument("--compare", default=None, metavar="PEERS",
+                   help="peers measured in the same run, comma separated: hf, openai=URL")
+    g.add_argument("--hf-prompt-lookup", type=int, default=10, metavar="N",
+                   help="prompt_lookup_num_tokens of the hf prompt-lookup peer (0: skip it)")
+    g.add_argument("--openai-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds per request to an openai peer")
+    g.add_argument("--rerun-on-interference", type=int, default=0, metavar="N",
+                   help="re-run a measurement up to N times while other processes use the CPU")
+    g.add_argument("--interference-tolerance", type=float, default=0.25, metavar="CORES",
+                   help="average cores other processes may use before a run is flagged")
+    g.add_argument("--record", default=None, metavar="FILE",
+                   help="save the plain run's outputs as replay records (JSONL)")
+    g.add_argument("--replay", default=None, metavar="RECORDS",
+                   help="no model: replay recorded outputs through the --spec-type chains")
+    g.add_argument("--out-dir", default="bench_out", help="directory of the dated JSON and chart")
     g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
 
 @dataclass(slots=True)
-class RunResult:
-    method: str
-    concurrency: int
+class BenchPrompt:
+    id: str
     category: str
-    num_prompts: int
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_tok_s: float
-    decode_tok_s: float
-    e2e_tok_s: float
-    mean_accepted_length: float
-    acceptance_rate: float
-    draft_time_share: float
-    identical_to_plain: int | None = None
-    repeats_decode_tok_s: list[float] = field(default_factory=list)
-    token_ids: list = field(default_factory=list)
+    text: str
 
+
+@dataclass(slots=True)
+class PeerSpec:
+    kind: str  # "hf" | "openai"
+    url: str | None = None
+
+
+@dataclass(slots=True)
+class Run:
+    """One timed pass of one method over a category's prompts."""
+
+    wall_s: float
+    stats: object  # EngineStats
+    seqs: list  # [Sequence], in prompt order
+    usage: object  # bench_timing.CpuUsage
+    num_reruns: int
+
+    @property
+    def decode_rate(self) -> float:
+        st = self.stats
+        return st.decode_tokens / st.decode_time_s if st.decode_time_s else 0.0
+
+
+# ---- arguments ---------------------------------------------------------------------------------
 
 def parse_methods(spec_type: str) -> list[tuple[str, list[str]]]:
     """'ngram_mod,suffix;draft' -> [('plain', []), ('ngram_mod,suffix', [...]), ('draft', [...])]."""
     from speculant.engine_config import parse_spec_types
 
-    methods = [("plain", [])]
+    methods = [(PLAIN, [])]
     for chain in (spec_type or "none").split(";"):
         types = parse_spec_types(chain)
         if types:
@@ -72,68 +111,124 @@ def parse_methods(spec_type: str) -> list[tuple[str, list[str]]]:
     return methods
 
 
-def _prompt_groups(args, tokenizer) -> dict[str, list[str]]:
-    if args.prompts is None:
-        return {"builtin": [tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                            for p in BUILTIN_PROMPTS]}
-    from speculant.prompt_set import first_turn_prompt, read_prompts
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency needs positive integers, got {text!r}")
+    return levels
 
-    cats = args.categories.split(",") if args.categories else None
-    groups: dict[str, list[str]] = {}
-    for rec in read_prompts(args.prompts, cats, args.limit):
-        groups.setdefault(rec.category, []).append(first_turn_prompt(rec, tokenizer))
-    return groups
 
+def parse_compare(value: str | None) -> list[PeerSpec]:
+    """'hf,openai=http://127.0.0.1:8080' -> [PeerSpec('hf'), PeerSpec('openai', 'http://...')]."""
+    peers = []
+    for item in (value or "").split(","):
+        kind, sep, url = item.strip().partition("=")
+        if kind == "hf" and not sep:
+            peers.append(PeerSpec("hf"))
+        elif kind == "openai" and sep and _is_http_url(url):
+            peers.append(PeerSpec("openai", url))
+        elif item.strip():
+            raise ValueError(f"--compare: unknown peer {item.strip()!r}; expected 'hf' or "
+                             f"'openai=URL' (e.g. openai=http://127.0.0.1:8080)")
+    if value is not None and not peers:
+        raise ValueError("--compare: no peer given; expected 'hf' or 'openai=URL'")
+    return peers
+
+
+def _is_http_url(url: str) -> bool:
+    parsed = urlparse(url)
+    return parsed.scheme in ("http", "https") and bool(parsed.netloc)
+
+
+def _check_args(args) -> None:
+    for name, low in (("repeats", 1), ("max_tokens", 1), ("warmup_tokens", 0),
+                      ("rerun_on_interference", 0), ("hf_prompt_lookup", 0)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
+    if args.replay and (args.compare or args.record):
+        raise ValueError("--replay runs no model: --compare and --record do not apply")
+
+
+# ---- the run -----------------------------------------------------------------------------------
 
 def run_bench(args) -> int:
+    _check_args(args)
+    if args.replay:
+        from speculant.bench_replay import run_replay
+
+        return run_replay(args)
+    levels = parse_levels(args.concurrency)
+    peer_specs = parse_compare(args.compare)
+    methods = parse_methods(args.spec_type)
+    engine = _engine(args, levels, methods)
+    groups = _prompt_groups(args, engine.tokenizer)
+    threads = _threads()
+    date = now_iso()
+    _warm_up(engine, args, methods, groups)
+    results, plain_runs = _measure_all(engine, args, methods, groups, levels, threads)
+    if args.record:
+        _write_records(args.record, groups, plain_runs)
+    peers = _compare(args, engine, groups, peer_specs, threads)
+    meta = _meta(args, engine, date, levels, methods, threads)
+    return _report(args, meta, results, peers)
+
+
+def _engine(args, levels: list[int], methods):
     from speculant.cli import engine_options
     from speculant.engine import Engine
     from speculant.engine_config import EngineConfig
 
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency needs positive integers, got {args.concurrency!r}")
-    if args.repeats < 1:
-        raise ValueError("--repeats must be >= 1")
-    methods = parse_methods(args.spec_type)
     options = engine_options(args, max_num_seqs=max(levels))
     options["spec_type"] = sorted({t for _, types in methods for t in types})
-    engine = Engine(EngineConfig(model=args.model, **options))
-    groups = _prompt_groups(args, engine.tokenizer)
-    _warm_up(engine, next(iter(groups.values()))[0])
-    results: list[RunResult] = []
-    for category, prompts in groups.items():
-        for c in levels:
-            plain = None
-            for name, types in methods:
-                res = _measure(engine, args, name, types, prompts, c, category)
-                if plain is None:
-                    plain = res
-                else:
-                    res.identical_to_plain = sum(a == b for a, b in zip(res.token_ids, plain.token_ids))
-                results.append(res)
-                print(_row(res, plain), file=sys.stderr, flush=True)
-    peers = _compare(args, engine, groups) if args.compare else {}
-    print(_table(results, peers))
-    summary = {"model": engine.model_path, "max_tokens": args.max_tokens,
-               "results": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in results],
-               "peers": peers}
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(summary, f, indent=1)
-    print(json.dumps(summary))
-    return 0
+    return Engine(EngineConfig(model=args.model, **options))
 
 
-def _warm_up(engine, prompt: str) -> None:
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _prompt_groups(args, tokenizer) -> dict[str, list[BenchPrompt]]:
+    if args.prompts is None:
+        return {"builtin": [BenchPrompt(f"builtin-{i}", "builtin",
+                                        tokenizer.apply_chat_template([{"role": "user", "content": p}]))
+                            for i, p in enumerate(BUILTIN_PROMPTS[:args.limit])]}
+    from speculant.prompt_set import first_turn_prompt, read_prompts
+
+    cats = args.categories.split(",") if args.categories else None
+    groups: dict[str, list[BenchPrompt]] = {}
+    for rec in read_prompts(args.prompts, cats, args.limit):
+        groups.setdefault(rec.category, []).append(
+            BenchPrompt(rec.id, rec.category, first_turn_prompt(rec, tokenizer)))
+    if not groups:
+        raise ValueError(f"{args.prompts}: no prompts to benchmark")
+    return groups
+
+
+def _params(args, types: list[str], max_tokens: int | None = None):
     from speculant.sampling_params import SamplingParams, SpecParams
 
-    _generate(engine, [prompt], SamplingParams(max_tokens=8, temperature=0.0,
-                                               spec=SpecParams(enabled=False)))
+    spec = SpecParams(enabled=bool(types), types=types or None, verify=args.verify)
+    return SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=args.temperature,
+                          seed=0, ignore_eos=args.ignore_eos, spec=spec)
+
+
+def _warm_up(engine, args, methods, groups) -> None:
+    """One short untimed run per method on the shortest prompt: first-call costs go here."""
+    if args.warmup_tokens == 0:
+        return
+    shortest = min((p.text for ps in groups.values() for p in ps), key=len)
+    engine.scheduler.max_num_seqs = 1
+    for _, types in _progress(methods, "warm-up", "method"):
+        _generate(engine, [shortest], _params(args, types, args.warmup_tokens))
     engine.reset_stats()
 
 
-def _generate(engine, prompts, params) -> list:
+def _generate(engine, prompts: list[str], params) -> list:
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_unfinished():
         engine.step()
@@ -142,74 +237,171 @@ def _generate(engine, prompts, params) -> list:
     return seqs
 
 
-def _measure(engine, args, name, types, prompts, concurrency, category) -> RunResult:
-    from speculant.sampling_params import SamplingParams, SpecParams
+def _measure_all(engine, args, methods, groups, levels, threads):
+    """Every category x concurrency x repeat x method; returns the results and plain's runs at
+    the first level (for --record)."""
+    results, plain_runs = [], {}
+    bar = _progress(None, "bench", "run",
+                    total=len(groups) * len(levels) * args.repeats * len(methods))
+    for category, prompts in groups.items():
+        for level in levels:
+            runs = {name: [] for name, _ in methods}
+            for _ in range(args.repeats):
+                for name, types in methods:
+                    bar.set_postfix_str(f"{category} c={level} {name}")
+                    runs[name].append(_timed_run(engine, args, types, prompts, level, threads,
+                                                 f"{category} c={level} {name}"))
+                    bar.update()
+            plain = runs[PLAIN]
+            if level == levels[0]:
+                plain_runs[category] = plain[0]
+            for name, _ in methods:
+                res = _result(name, category, level, runs[name], None if name == PLAIN else plain)
+                results.append(res)
+                bar.write(_progress_line(res, runs[PLAIN]), file=sys.stderr)
+    bar.close()
+    return results, plain_runs
 
-    spec = SpecParams(enabled=bool(types), types=types or None, verify=args.verify)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0,
-                            ignore_eos=args.ignore_eos, spec=spec)
-    engine.scheduler.max_num_seqs = concurrency
-    runs = []
-    for _ in range(args.repeats):
+
+def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
+    from speculant.bench_timing import run_with_reruns
+
+    params = _params(args, types)
+    texts = [p.text for p in prompts]
+
+    def once():
+        engine.scheduler.max_num_seqs = level
         engine.reset_stats()
         t0 = time.perf_counter()
-        seqs = _generate(engine, prompts, params)
-        wall = time.perf_counter() - t0
-        runs.append((wall, seqs, engine.stats, engine.chain.stats))
-    decode_rates = [st.decode_tokens / st.decode_time_s if st.decode_time_s else 0.0
-                    for _, _, st, _ in runs]
-    median = statistics.median(decode_rates)
-    wall, seqs, st, spec_stats = runs[decode_rates.index(median)] if median in decode_rates else runs[0]
+        seqs = _generate(engine, texts, params)
+        return time.perf_counter() - t0, engine.stats, seqs
+
+    (wall, stats, seqs), usage, reruns = run_with_reruns(
+        once, threads, args.rerun_on_interference, label, args.interference_tolerance,
+        warn=lambda msg: _progress_write(msg))
+    return Run(wall, stats, seqs, usage, reruns)
+
+
+def _result(name: str, category: str, level: int, runs: list[Run],
+            plain: list[Run] | None) -> RunResult:
+    rates = [r.decode_rate for r in runs]
+    chosen = runs[rates.index(statistics.median_low(rates))]
+    st, seqs = chosen.stats, chosen.seqs
+    steps = sum(s.spec.num_steps for s in seqs)
     drafts = sum(s.spec.num_drafts for s in seqs)
     draft_tok = sum(s.spec.num_draft_tokens for s in seqs)
     acc_tok = sum(s.spec.num_accepted_tokens for s in seqs)
-    steps = sum(s.spec.num_steps for s in seqs)
     gen = sum(s.num_generated for s in seqs)
     step_time = st.time_draft_s + st.time_forward_s + st.time_verify_s
     return RunResult(
-        method=name, concurrency=concurrency, category=category, num_prompts=len(prompts),
+        method=name, concurrency=level, category=category, num_prompts=len(seqs),
         prompt_tokens=sum(s.num_prompt for s in seqs), generated_tokens=gen,
         prefill_tok_s=round(st.num_prompt_tokens / st.prefill_time_s, 1) if st.prefill_time_s else 0.0,
-        decode_tok_s=round(median, 2), e2e_tok_s=round(gen / wall, 2),
+        decode_tok_s=round(statistics.median(rates), 2), e2e_tok_s=round(gen / chosen.wall_s, 2),
         mean_accepted_length=round(1 + acc_tok / steps, 3) if steps and drafts else 1.0,
         acceptance_rate=round(acc_tok / draft_tok, 3) if draft_tok else 0.0,
         draft_time_share=round(st.time_draft_s / step_time, 3) if step_time else 0.0,
-        repeats_decode_tok_s=[round(r, 2) for r in decode_rates],
-        token_ids=[s.output_ids for s in seqs],
+        identical_to_plain=_num_identical(runs, plain[0]) if plain else None,
+        repeats_decode_tok_s=[round(r, 2) for r in rates], decode_tok_s_best=round(max(rates), 2),
+        num_steps=steps, num_drafts=drafts, num_draft_tokens=draft_tok, num_accepted_tokens=acc_tok,
+        interference=any(r.usage.interference for r in runs),
+        other_cpu_cores=round(max(r.usage.other_cpu_cores for r in runs), 3),
+        own_cpu_util=round(statistics.median(r.usage.own_cpu_util for r in runs), 3),
+        num_reruns=sum(r.num_reruns for r in runs),
+        token_ids=[[s.output_ids for s in r.seqs] for r in runs],
     )
 
 
-def _row(r: RunResult, plain: RunResult | None) -> str:
-    speedup = r.decode_tok_s / plain.decode_tok_s if plain and plain.decode_tok_s else 1.0
-    same = "" if r.identical_to_plain is None else f"{r.identical_to_plain}/{r.num_prompts}"
-    return (f"| {r.category:<14} | {r.method:<28} | {r.concurrency:>4} | {r.prefill_tok_s:>9.1f} | "
-            f"{r.decode_tok_s:>9.2f} | {speedup:>6.2f}x | {r.mean_accepted_length:>6.2f} | "
-            f"{r.acceptance_rate:>5.2f} | {r.draft_time_share:>5.2f} | {same:>7} |")
+def _num_identical(runs: list[Run], plain: Run) -> int:
+    """Prompts whose output equals plain's in every repeat."""
+    return sum(all(r.seqs[i].output_ids == ref.output_ids for r in runs)
+               for i, ref in enumerate(plain.seqs))
 
 
-def _table(results: list[RunResult], peers: dict) -> str:
-    head = ("| category       | method                       | conc | prefill/s | decode/s  | speedup | "
-            "acc.len | acc.% | draft | same    |\n"
-            "|----------------|------------------------------|------|-----------|-----------|---------|"
-            "--------|-------|-------|---------|")
-    rows = []
-    plain = {}
-    for r in results:
-        if r.method == "plain":
-            plain[(r.category, r.concurrency)] = r
-        rows.append(_row(r, plain.get((r.category, r.concurrency))))
-    for name, peer in peers.items():
-        rows.append(f"| {peer.get('category', ''):<14} | {name:<28} | {1:>4} | "
-                    f"{peer.get('prefill_tok_s', 0.0):>9.1f} | {peer['decode_tok_s']:>9.2f} | "
-                    f"{'':>7} | {'':>6} | {'':>5} | {'':>5} | {'':>7} |")
-    return head + "\n" + "\n".join(rows)
+def _progress_line(r: RunResult, plain_runs: list[Run]) -> str:
+    base = statistics.median(p.decode_rate for p in plain_runs)
+    speedup = r.decode_tok_s / base if base else 0.0
+    same = "" if r.identical_to_plain is None else f", same {r.identical_to_plain}/{r.num_prompts}"
+    flag = ", INTERFERENCE" if r.interference else ""
+    return (f"{r.category} c={r.concurrency} {r.method}: {r.decode_tok_s:.1f} tok/s, "
+            f"{speedup:.2f}x, acc.len {r.mean_accepted_length:.2f}{same}{flag}")
 
 
-def _compare(args, engine, groups) -> dict:
-    if args.compare != "hf":
-        raise ValueError(f"--compare: unknown peer {args.compare!r} (known: hf)")
-    from speculant.hf_peer import hf_decode_rate
+def _write_records(path: str, groups: dict[str, list[BenchPrompt]], plain_runs: dict[str, Run]) -> None:
+    """The plain run's outputs, one replay record per prompt."""
+    with open(path, "w") as f:
+        for category, prompts in groups.items():
+            for prompt, seq in zip(prompts, plain_runs[category].seqs):
+                f.write(json.dumps({"id": prompt.id, "category": category,
+                                    "prompt_ids": list(seq.prompt_ids),
+                                    "output_ids": list(seq.output_ids)}) + "\n")
 
-    prompts = [p for ps in groups.values() for p in ps]
-    return {"hf_transformers_fp32": hf_decode_rate(engine.model_path, prompts, args.max_tokens,
-                                                   args.repeats)}
+
+# ---- peers and report --------------------------------------------------------------------------
+
+def _compare(args, engine, groups, specs: list[PeerSpec], threads: int) -> list:
+    texts = {cat: [p.text for p in ps] for cat, ps in groups.items()}
+    peers = []
+    for spec in specs:
+        if spec.kind == "hf":
+            from speculant.hf_peer import run_hf_peer
+
+            peers += run_hf_peer(engine.model_path, texts, args.max_tokens, args.repeats,
+                                 prompt_lookup=args.hf_prompt_lookup, draft_model=args.draft_model,
+                                 threads=threads, max_reruns=args.rerun_on_interference,
+                                 tolerance=args.interference_tolerance)
+        else:
+            from speculant.bench_openai import run_openai_peer
+
+            peers += run_openai_peer(spec.url, texts, args.max_tokens, args.repeats,
+                                     timeout_s=args.openai_timeout, ignore_eos=args.ignore_eos)
+    return peers
+
+
+def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
+    from speculant.bench_timing import machine_info
+
+    return {"date": date, "machine": machine_info(threads), "model": engine.model_path,
+            "max_tokens": args.max_tokens, "concurrency": levels, "repeats": args.repeats,
+            "methods": [name for name, _ in methods]}
+
+
+def _report(args, meta: dict, results: list[RunResult], peers: list) -> int:
+    from speculant.bench_report import build_report, markdown_table, peers_table, summary_text
+
+    report = build_report(meta, results, peers)
+    emit_report(report, args, [markdown_table(report), peers_table(report), summary_text(report)])
+    return 0
+
+
+def emit_report(report: dict, args, sections: list[str], prefix: str = "bench") -> None:
+    """Files first (their paths go into the JSON), then the text, then the JSON line last."""
+    from speculant.bench_report import write_outputs
+
+    try:
+        write_outputs(report, args.out_dir, prefix)
+    except ImportError as exc:  # matplotlib is in the `bench` extra
+        _progress_write(f"warning: no chart ({exc}); install speculant[bench]")
+        write_outputs(report, args.out_dir, prefix, chart=False)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+    files = report["files"]
+    sections = [s for s in sections if s]
+    sections.append(f"Wrote {files['json']}" + (f" and {files['chart']}" if files["chart"] else ""))
+    print("\n\n".join(sections))
+    print(json.dumps(report), flush=True)
+
+
+def _progress(items, desc: str, unit: str, total: int | None = None):
+    """A progress bar on stderr (tqdm)."""
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit=unit, total=total, file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.5)
+
+
+def _progress_write(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)

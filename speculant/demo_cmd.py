@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import time
 
-DEMO_CODE = '''def mean(values):
-    total = 0
-    for v in values:
-        total += v
-    return total / len(values)
-
-
-def variance(values):
-    m = mean(values)
-    total = 0
-    for v in values:
-        total += (v - m) ** 2
-    return total / len(values)
-'''
-DEMO_PROMPT = ("Rename the parameter `values` to `samples` everywhere in this Python code. "
-               "Reply with the full updated code only.\n\n```python\n" + DEMO_CODE + "```")
+# A copy-heavy task the default 135M model does sensibly: most of the answer repeats the prompt,
+# which is where model-free drafters shine.
+DEMO_PROMPT = (
+    "Correct the spelling mistakes in this paragraph and write the corrected paragraph:\n\n"
+    "The quick brown fox jumpd over the lazy dog. It was a sunny day and the birds were singng "
+    "in the trees. The fox was very hapy because he had found a big peice of cheese near the "
+    "river. He carried it back to his den, where his three cubs were waiting for him. The cubs "
+    "were hungry and they ate the cheese very quickley. After the meal, the whole famly went to "
+    "sleep under the old oak tree at the edge of the forrest."
+)
 DEMO_SPEC = "ngram_mod,suffix"
 
 
