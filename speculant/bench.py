@@ -52,6 +52,8 @@ def add_bench_args(p) -> None:
                    help="always generate --max-tokens (fixed-length decode measurement)")
     g.add_argument("--compare", default=None, metavar="PEERS",
                    help="peers measured in the same run, comma separated: hf, openai=URL")
+    g.add_argument("--peer-repeats", type=int, default=None, metavar="N",
+                   help="repeats of each --compare peer (default: --repeats)")
     g.add_argument("--hf-prompt-lookup", type=int, default=10, metavar="N",
                    help="prompt_lookup_num_tokens of the hf prompt-lookup peer (0: skip it)")
     g.add_argument("--openai-timeout", type=float, default=300.0, metavar="S",
@@ -144,7 +146,10 @@ def _is_http_url(url: str) -> bool:
 
 
 def _check_args(args) -> None:
-    for name, low in (("repeats", 1), ("max_tokens", 1), ("warmup_tokens", 0),
+    """Validate the bench flags (and default --peer-repeats to --repeats)."""
+    if args.peer_repeats is None:
+        args.peer_repeats = args.repeats
+    for name, low in (("repeats", 1), ("peer_repeats", 1), ("max_tokens", 1), ("warmup_tokens", 0),
                       ("rerun_on_interference", 0), ("hf_prompt_lookup", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
@@ -166,13 +171,14 @@ def run_bench(args) -> int:
     engine = _engine(args, levels, methods)
     groups = _prompt_groups(args, engine.tokenizer)
     threads = _threads()
-    date = now_iso()
+    date, t0 = now_iso(), time.perf_counter()
     _warm_up(engine, args, methods, groups)
     results, plain_runs = _measure_all(engine, args, methods, groups, levels, threads)
     if args.record:
         _write_records(args.record, groups, plain_runs)
     peers = _compare(args, engine, groups, peer_specs, threads)
     meta = _meta(args, engine, date, levels, methods, threads)
+    meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return _report(args, meta, results, peers)
 
 
@@ -278,7 +284,7 @@ def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
 
     (wall, stats, seqs), usage, reruns = run_with_reruns(
         once, threads, args.rerun_on_interference, label, args.interference_tolerance,
-        warn=lambda msg: _progress_write(msg))
+        warn=_progress_write)
     return Run(wall, stats, seqs, usage, reruns)
 
 
@@ -346,14 +352,14 @@ def _compare(args, engine, groups, specs: list[PeerSpec], threads: int) -> list:
         if spec.kind == "hf":
             from speculant.hf_peer import run_hf_peer
 
-            peers += run_hf_peer(engine.model_path, texts, args.max_tokens, args.repeats,
+            peers += run_hf_peer(engine.model_path, texts, args.max_tokens, args.peer_repeats,
                                  prompt_lookup=args.hf_prompt_lookup, draft_model=args.draft_model,
                                  threads=threads, max_reruns=args.rerun_on_interference,
                                  tolerance=args.interference_tolerance)
         else:
             from speculant.bench_openai import run_openai_peer
 
-            peers += run_openai_peer(spec.url, texts, args.max_tokens, args.repeats,
+            peers += run_openai_peer(spec.url, texts, args.max_tokens, args.peer_repeats,
                                      timeout_s=args.openai_timeout, ignore_eos=args.ignore_eos)
     return peers
 
@@ -363,6 +369,7 @@ def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
 
     return {"date": date, "machine": machine_info(threads), "model": engine.model_path,
             "max_tokens": args.max_tokens, "concurrency": levels, "repeats": args.repeats,
+            "peer_repeats": args.peer_repeats if args.compare else 0,
             "methods": [name for name, _ in methods]}
 
 
@@ -374,12 +381,13 @@ def _report(args, meta: dict, results: list[RunResult], peers: list) -> int:
     return 0
 
 
-def emit_report(report: dict, args, sections: list[str], prefix: str = "bench") -> None:
+def emit_report(report: dict, args, sections: list[str], prefix: str = "bench",
+                chart: bool = True) -> None:
     """Files first (their paths go into the JSON), then the text, then the JSON line last."""
     from speculant.bench_report import write_outputs
 
     try:
-        write_outputs(report, args.out_dir, prefix)
+        write_outputs(report, args.out_dir, prefix, chart)
     except ImportError as exc:  # matplotlib is in the `bench` extra
         _progress_write(f"warning: no chart ({exc}); install speculant[bench]")
         write_outputs(report, args.out_dir, prefix, chart=False)

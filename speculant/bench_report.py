@@ -7,11 +7,13 @@ time of steps without a prompt chunk (prefill excluded), summed over a category'
 Top level
   schema         "speculant-bench/2"
   date           ISO 8601 local time of the run, e.g. "2025-05-01T10:20:30+00:00"
+  elapsed_s      seconds from the first warm-up to the end of the peers (model load excluded)
   machine        {"cpu", "num_cpus", "threads", "platform", "python", "torch"}
   model          the target model's path
   max_tokens     tokens generated per prompt (EOS stops earlier unless --ignore-eos)
   concurrency    [int], the levels measured
   repeats        measurements per (category, method, concurrency); methods interleave per repeat
+  peer_repeats   measurements per peer prompt (--peer-repeats, default --repeats)
   methods        ["plain", then each --spec-type chain, e.g. "ngram_mod,suffix"]
   results        [Result], one per category x method x concurrency (flat list)
   categories     {category: Category}                                    per category
@@ -29,7 +31,8 @@ Result: one method on one category at one concurrency
   speedup               decode_tok_s / plain's at the same category and concurrency
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
   acceptance_rate       accepted / drafted tokens (0.0 without drafts)
-  draft_time_share      drafting time / step time (draft + forward + verify)
+  draft_time_share      engine time_draft_s / step time (draft + forward + verify); time_draft_s
+                        spans scheduling and drafting, so plain shows a small non-zero share
   identical_to_plain    prompts whose output equals plain greedy output in every repeat
                         (null for plain itself)
   num_steps, num_drafts, num_draft_tokens, num_accepted_tokens   raw counters
@@ -223,8 +226,7 @@ def _method_summary(rows: list[RunResult]) -> dict:
     accepted = sum(r.num_accepted_tokens for r in rows)
     same = [r.identical_to_plain for r in rows]
     return {
-        "geomean_speedup": round(math.exp(statistics.fmean(math.log(s) for s in speedups)), 3)
-        if speedups else 0.0,
+        "geomean_speedup": round(_geomean(speedups), 3),
         "min_speedup": min(speedups, default=0.0), "max_speedup": max(speedups, default=0.0),
         "mean_accepted_length": round(1 + accepted / steps, 3) if steps and drafted else 1.0,
         "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
@@ -273,9 +275,9 @@ def markdown_table(report: dict) -> str:
         rows.append([r["category"], r["method"], str(r["concurrency"]), f"{r['decode_tok_s']:.1f}",
                      f"{r['decode_tok_s_best']:.1f}", f"{r['speedup']:.2f}x",
                      f"{r['mean_accepted_length']:.2f}", f"{r['acceptance_rate']:.2f}",
-                     f"{r['draft_time_share']:.2f}", same, f"{r['prefill_tok_s']:.0f}",
+                     f"{100 * r['draft_time_share']:.1f}%", same, f"{r['prefill_tok_s']:.0f}",
                      "yes" if r["interference"] else ""])
-    return _markdown(head, rows)
+    return markdown(head, rows)
 
 
 def peers_table(report: dict) -> str:
@@ -286,33 +288,47 @@ def peers_table(report: dict) -> str:
         for name, p in c["peers"].items():
             rows.append([cat, name, f"{p['decode_tok_s']:.1f}", f"{p['ratio_plain']:.2f}x",
                          p["best_method"], f"{p['ratio_best']:.2f}x"])
-    return _markdown(head, rows) if rows else ""
+    return markdown(head, rows) if rows else ""
 
 
-def _markdown(head: list[str], rows: list[list[str]]) -> str:
+def markdown(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
                       *(line(r) for r in rows)])
 
 
 def summary_text(report: dict) -> str:
     """A few lines a person reads at a glance."""
-    lines = [f"Summary ({report['date']}, {report['machine']['cpu']}, "
-             f"{report['machine']['threads']} threads; median decode tok/s):"]
+    m = report["machine"]
+    lines = [f"Summary ({report['date']}, {m['cpu']}, {m['num_cpus']} cores, threads={m['threads']}; "
+             f"median decode tok/s):"]
     for cat, by_level in report["summary"].items():
         for level, b in by_level.items():
-            same = "n/a" if b["identical_to_plain"] is None else f"{b['identical_to_plain']}/{b['num_prompts']}"
+            same = ("n/a" if b["identical_to_plain"] is None
+                    else f"{b['identical_to_plain']}/{b['num_prompts']}")
             verdict = "faster than plain" if b["speedup"] > 1 else "NOT faster than plain"
             lines.append(f"  {cat:<16} c={level:<3} best {b['method']:<24} {b['speedup']:5.2f}x "
                          f"({verdict}), acc.len {b['mean_accepted_length']:.2f}, "
-                         f"outputs identical {same}")
+                         f"outputs identical to plain {same}")
     for name, p in report["peers"].items():
-        lines.append(f"  peer {name}: {p['decode_tok_s']:.1f} tok/s over {p['num_prompts']} prompts")
+        ratios = [c["peers"][name] for c in report["categories"].values() if name in c["peers"]]
+        lines.append(f"  peer {name}: {p['decode_tok_s']:.1f} tok/s over {p['num_prompts']} prompts; "
+                     f"speculant plain {_geomean(r['ratio_plain'] for r in ratios):.2f}x, "
+                     f"best {_geomean(r['ratio_best'] for r in ratios):.2f}x (geomean over categories)")
     flagged = sum(r["interference"] for r in report["results"])
-    lines.append(f"  interference: {flagged} of {len(report['results'])} measurements flagged"
+    lines.append(f"  interference: {flagged} of {len(report['results'])} measurements flagged "
+                 f"(other processes used the CPU; see other_cpu_cores in the JSON)"
                  if report["interference"] else "  interference: none detected")
     return "\n".join(lines)
+
+
+def _geomean(values) -> float:
+    logs = [math.log(v) for v in values if v > 0]
+    return math.exp(statistics.fmean(logs)) if logs else 0.0
 
 
 # ---- chart and files -------------------------------------------------------------------------
@@ -326,12 +342,15 @@ def write_chart(report: dict, path: str) -> str:
 
     levels = report["concurrency"]
     cats = list(report["categories"])
+    names = [*report["methods"], *report["peers"]]
+    colors = {n: plt.get_cmap("tab10")(i % 10) for i, n in enumerate(names)}  # same color per series
     fig, axes = plt.subplots(2, len(levels), figsize=(max(7, 1.1 * len(cats) + 4) * len(levels), 8),
                              squeeze=False)
     for col, level in enumerate(levels):
         key = str(level)
         spec = [m for m in report["methods"] if m != PLAIN]
-        _bars(axes[0][col], cats, {m: [_cell(report, c, m, key, "speedup") for c in cats] for m in spec})
+        _bars(axes[0][col], cats, {m: [_cell(report, c, m, key, "speedup") for c in cats] for m in spec},
+              colors)
         axes[0][col].axhline(1.0, color="black", linewidth=0.8)
         axes[0][col].set_title(f"speedup over plain, concurrency {level}")
         series = {m: [_cell(report, c, m, key, "decode_tok_s") for c in cats] for m in report["methods"]}
@@ -339,11 +358,14 @@ def write_chart(report: dict, path: str) -> str:
             for name in report["peers"]:
                 series[name] = [report["categories"][c]["peers"].get(name, {}).get("decode_tok_s", 0.0)
                                 for c in cats]
-        _bars(axes[1][col], cats, series)
-        axes[1][col].set_title(f"decode tokens/s, concurrency {level}")
+        _bars(axes[1][col], cats, series, colors)
+        peers_note = " (peers: one request at a time)" if col == 0 and report["peers"] else ""
+        axes[1][col].set_title(f"decode tokens/s, concurrency {level}{peers_note}")
     m = report["machine"]
-    fig.suptitle(f"speculant bench {report['date'][:16]} — {m['cpu']}, {m['threads']} threads — "
-                 f"{os.path.basename(str(report['model']))}, {report['max_tokens']} tokens")
+    flag = " — interference flagged" if report["interference"] else ""
+    fig.suptitle(f"speculant bench {report['date'][:16]} — {m['cpu']}, {m['num_cpus']} cores, "
+                 f"threads={m['threads']} — {os.path.basename(str(report['model']))}, "
+                 f"max {report['max_tokens']} tokens{flag}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -354,11 +376,11 @@ def _cell(report: dict, cat: str, method: str, level: str, key: str) -> float:
     return report["categories"][cat]["methods"].get(method, {}).get(level, {}).get(key, 0.0)
 
 
-def _bars(ax, cats: list[str], series: dict[str, list[float]]) -> None:
+def _bars(ax, cats: list[str], series: dict[str, list[float]], colors: dict) -> None:
     width = 0.8 / max(len(series), 1)
     for i, (name, values) in enumerate(series.items()):
         ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(cats))], values,
-               width, label=name)
+               width, label=name, color=colors[name])
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
     if series:
         ax.legend(fontsize=8)

@@ -65,7 +65,6 @@ class _Tally:
     prompt_tokens: int = 0
     first_token_s: float = 0.0
     interference: bool = False
-    reruns: int = 0
 
 
 def run_hf_peer(model_path: str, groups: dict[str, list[str]], max_tokens: int, repeats: int,
@@ -82,6 +81,10 @@ def run_hf_peer(model_path: str, groups: dict[str, list[str]], max_tokens: int, 
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     out = []
     with torch.inference_mode():
+        shortest = min((p for ps in groups.values() for p in ps), key=len)
+        warm_ids = tok(shortest, return_tensors="pt", add_special_tokens=False).input_ids
+        for m in methods:  # untimed: first-call costs would inflate time(1 token)
+            _timed_generate(model, warm_ids, 4, m.kwargs)
         for category, prompts in groups.items():
             tallies = {m.name: _Tally([0] * repeats, [0.0] * repeats) for m in methods}
             for prompt in prompts:
@@ -89,7 +92,7 @@ def run_hf_peer(model_path: str, groups: dict[str, list[str]], max_tokens: int, 
                 _measure_prompt(model, ids, methods, tallies, max_tokens, repeats,
                                 (threads, max_reruns, tolerance), f"hf {category}")
                 bar.update(len(methods))
-            out += [_peer_result(m, category, len(prompts), tallies[m.name], assistant, draft_model)
+            out += [_peer_result(m, category, len(prompts), tallies[m.name], draft_model)
                     for m in methods]
     bar.close()
     return out
@@ -101,8 +104,9 @@ def _measure_prompt(model, ids, methods: list[HfMethod], tallies: dict[str, _Tal
     first = {m.name: _watched(model, ids, 1, m, watch, label) for m in methods}
     for i in range(repeats):
         for m in methods:
-            t_all, n, _ = _watched(model, ids, max_tokens, m, watch, label)
+            t_all, n, interfered = _watched(model, ids, max_tokens, m, watch, label)
             t = tallies[m.name]
+            t.interference |= interfered
             t_first = first[m.name][0]
             if n > 1 and t_all > t_first:
                 t.decode_tokens[i] += n - 1
@@ -133,7 +137,7 @@ def _timed_generate(model, ids, n: int, kwargs: dict) -> tuple[float, int]:
     return time.perf_counter() - t0, out.shape[1] - ids.shape[1]
 
 
-def _peer_result(m: HfMethod, category: str, num_prompts: int, t: _Tally, assistant,
+def _peer_result(m: HfMethod, category: str, num_prompts: int, t: _Tally,
                  draft_model: str | None) -> PeerResult:
     detail = {"dtype": "float32"}
     if m.method == "assistant":

@@ -60,12 +60,15 @@ def test_decoding_sequences_do_not_starve_a_prompt():
     assert step.prefill and step.prefill[0][1] > 0
 
 
-def test_queue_is_bounded():
+def test_queue_is_bounded_beyond_the_free_slots():
     sched, _ = make(max_queue=2, max_seqs=1)
-    sched.add(seq(0, 2))
+    sched.add(seq(0, 2))  # takes the free slot at the next step: not queued in earnest
     sched.add(seq(1, 2))
+    sched.add(seq(2, 2))
     with pytest.raises(QueueFullError):
-        sched.add(seq(2, 2))
+        sched.add(seq(3, 2))
+    sched.schedule(decode_tokens=1)
+    assert len(sched.running) == 1 and len(sched.waiting) == 2
 
 
 def test_finish_frees_cache_and_promise():

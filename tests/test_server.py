@@ -22,6 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import TEST_THREADS
+
 API_KEY = "sk-test-speculant"
 PARALLEL = 16
 MAX_QUEUE = 2
@@ -52,7 +54,7 @@ def server():
     cmd = [sys.executable, "-m", "speculant.cli", "serve", "--port", str(port),
            "--parallel", str(PARALLEL), "--max-queue", str(MAX_QUEUE), "--api-key", API_KEY,
            "--spec-type", ",".join(_model_free_speculators()), "--kv-cache-tokens", "16384",
-           "--threads", str(min(2, os.cpu_count() or 1))]
+           "--threads", str(TEST_THREADS)]
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
@@ -92,7 +94,7 @@ def _wait_healthy(proc, url: str, log, timeout_s: float = 180.0) -> None:
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Compute kernels: compact-weight linear layers and paged attention.
+"""Compute kernels: compact-weight linear layers, paged attention, and the small fused operators of
+a decoder layer (RMSNorm, RoPE with the KV cache write, SiLU gate).
 
 Each operation has a native CPU path (C++/AVX2 in csrc/, built on first use by `native.py`;
 batch-invariant: a row's result never depends on what else is in the batch) and a pure-PyTorch
@@ -6,12 +7,18 @@ fallback used on other devices, with `SPECULANT_NATIVE=0`, or where the extensio
 """
 import importlib
 
-__all__ = ["PackedLinear", "native_available", "paged_attention"]
+__all__ = ["PackedLinear", "add_rms_norm", "native_available", "paged_attention", "rms_norm",
+           "rope_cos_sin", "rope_write_kv", "silu_mul"]
 
 _EXPORTS = {
     "PackedLinear": "speculant.kernels.packed_linear",
     "native_available": "speculant.kernels.native",
     "paged_attention": "speculant.kernels.attention",
+    "rms_norm": "speculant.kernels.rowwise",
+    "add_rms_norm": "speculant.kernels.rowwise",
+    "silu_mul": "speculant.kernels.rowwise",
+    "rope_cos_sin": "speculant.kernels.rope",
+    "rope_write_kv": "speculant.kernels.rope",
 }
 
 

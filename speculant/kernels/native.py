@@ -123,6 +123,23 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("speculant::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("speculant::add_rms_norm")
+    def _(h, delta, weight, eps):
+        return torch.empty_like(h)
+
+    @torch.library.register_fake("speculant::silu_mul")
+    def _(gate_up):
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("speculant::rope_write_kv")
+    def _(qkv, bias, q_norm, k_norm, eps, cos, sin, positions, k_cache, v_cache, slot_mapping,
+          num_heads):
+        return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
 
 def main() -> None:
     start = time.perf_counter()

@@ -1,123 +1,246 @@
-// Causal attention over a paged KV cache, one (query token, query head) pair at a time.
+// Causal attention over a paged KV cache.
 //
 // Token t of sequence s = token_seq[t] attends to positions 0..token_pos[t] of s, whose K/V rows
 // live at k_cache[block_tables[s][p / block_size], p % block_size]. Query head h reads KV head
 // h / (Hq / Hkv) (grouped-query attention).
 //
-// Batch invariance: a pair's output is computed by one thread in a fixed order (scores in position
-// order, one max, exp and sum in 8-lane chunks, then the value sum in position order), so it
-// depends only on its own query, its sequence's cache and its position; never on the other tokens
-// in the batch.
-#include "ops.h"
-
-#include <ATen/Parallel.h>
+// Work units: a run of up to kRunTokens consecutive batch tokens of one sequence (a decode token,
+// a verification chunk, a slice of a prompt) x one KV head x the query heads of its group (or a
+// slice of them when there are too few units to share between threads). A unit computes the
+// scores of all its queries one 8-position chunk at a time, so each K row comes from memory once
+// and is reused from L1 by every query of the unit; its V rows come from memory once (prefetched
+// during the scores) and then from L2.
+//
+// Batch invariance: each (token, head) output is computed by one thread with one fixed sequence
+// of operations (scores in 8-position chunks of one FMA chain each, one max, exp and sum in
+// 8-lane chunks, then the value sum in position order) that never depends on the other queries
+// of its unit, on how the batch was split into units, or on which thread ran it.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
+#include "ops.h"
+#include "pool.h"
 #include "simd.h"
 
 namespace speculant {
 namespace {
 
-struct PagedKV {
-  const float* k;        // [num_blocks, block_size, Hkv, D]
-  const float* v;        // [num_blocks, block_size, Hkv, D]
-  const int32_t* table;  // this sequence's row of block_tables
-  int64_t num_blocks, block_size, num_kv_heads, head_dim;
+constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scores (scratch) and work
+
+struct Problem {
+  const float* q;          // [T, Hq, D]
+  const float* k;          // [num_blocks, block_size, Hkv, D]
+  const float* v;          // [num_blocks, block_size, Hkv, D]
+  const int32_t* tables;   // [S, max_blocks]
+  const int32_t* seq;      // [T]
+  const int32_t* pos;      // [T]
+  float* out;              // [T, Hq, D]
+  int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
+  float scale;
 };
 
-// Per-thread scratch, reused across pairs and calls.
+// Tokens [t0, t1) of one sequence, query heads [h0, h1) of KV head kvh's group (0-based in it).
+struct Unit {
+  int64_t t0, t1, kvh, h0, h1;
+};
+
+// Per-thread scratch, reused across units and calls.
 struct Scratch {
-  std::vector<float> scores;            // [L rounded up to 8]
-  std::vector<const float*> k_rows, v_rows;  // [L] position p's K / V row for this KV head
+  std::vector<float> scores;                 // [queries of the unit, max length rounded up to 8]
+  std::vector<const float*> k_rows, v_rows;  // [max length] position p's K / V row
 };
 
 // Row pointers of positions 0..L-1 for KV head kvh, walking the block table (no division).
-void gather_rows(const PagedKV& kv, int64_t kvh, int64_t L, Scratch& sc) {
+void gather_rows(const Problem& pb, const int32_t* table, int64_t kvh, int64_t L, Scratch& sc) {
   sc.k_rows.resize(L);
   sc.v_rows.resize(L);
-  const int64_t row_stride = kv.num_kv_heads * kv.head_dim;
-  for (int64_t p0 = 0, b = 0; p0 < L; p0 += kv.block_size, ++b) {
-    const int64_t block = kv.table[b];
-    TORCH_CHECK(block >= 0 && block < kv.num_blocks, "speculant::paged_attention: block id ",
-                block, " out of range [0, ", kv.num_blocks, ")");
-    const int64_t base = (block * kv.block_size * kv.num_kv_heads + kvh) * kv.head_dim;
-    for (int64_t r = 0; r < kv.block_size && p0 + r < L; ++r) {
-      sc.k_rows[p0 + r] = kv.k + base + r * row_stride;
-      sc.v_rows[p0 + r] = kv.v + base + r * row_stride;
+  const int64_t row_stride = pb.num_kv_heads * pb.head_dim;
+  for (int64_t p0 = 0, b = 0; p0 < L; p0 += pb.block_size, ++b) {
+    const int64_t block = table[b];
+    TORCH_CHECK(block >= 0 && block < pb.num_blocks, "speculant::paged_attention: block id ",
+                block, " out of range [0, ", pb.num_blocks, ")");
+    const int64_t base = (block * pb.block_size * pb.num_kv_heads + kvh) * pb.head_dim;
+    for (int64_t r = 0; r < pb.block_size && p0 + r < L; ++r) {
+      sc.k_rows[p0 + r] = pb.k + base + r * row_stride;
+      sc.v_rows[p0 + r] = pb.v + base + r * row_stride;
     }
   }
 }
 
-// scores[p0 + j] = scale * q . k_{p0 + j} for j < 8. Each position is one FMA chain over D (a
-// multiple of 8) followed by the same hadd tree, so a score never depends on its slot j or on L;
-// slots past the last position repeat it and are overwritten by the caller.
-void scores8(const float* q, const Scratch& sc, int64_t p0, int64_t L, int64_t D, float scale,
-             float* scores) {
-  const float* k[8];
-  for (int j = 0; j < 8; ++j) k[j] = sc.k_rows[std::min(p0 + j, L - 1)];
+inline void prefetch_row(const float* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+
+// scores[j] = scale * q . k[j] for j < 8. Each is one FMA chain over D (a multiple of 8)
+// followed by the same hadd tree, so a score never depends on its slot j or on the other rows.
+void scores8(const float* q, const float* const* k, int64_t D, float scale, float* scores) {
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
     for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), a[j]);
   }
-  // 8 vectors -> one vector of their 8 lane sums, slot j = position p0 + j
+  // 8 vectors -> one vector of their 8 lane sums, slot j = row j
   const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
   const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
   const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
                                     _mm256_permute2f128_ps(h0123, h4567, 0x31));
-  _mm256_storeu_ps(scores + p0, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+  _mm256_storeu_ps(scores, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
 }
 
-// out[d0 : d0 + 8 NV] = sum_p probs[p] * v_p[d0 : ...] / denom, positions in ascending order.
-template <int NV>
-void weighted_values(const Scratch& sc, const float* probs, int64_t L, int64_t d0, float denom,
-                     float* out) {
-  __m256 acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < L; ++p) {
-    const float* v = sc.v_rows[p] + d0;
-    const __m256 w = _mm256_set1_ps(probs[p]);
-    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
-  }
-  const __m256 den = _mm256_set1_ps(denom);
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_div_ps(acc[i], den));
-}
-
-void attend(const float* q, const PagedKV& kv, int64_t kvh, int64_t L, float scale, float* out,
-            Scratch& sc) {
-  const int64_t D = kv.head_dim;
+// Scores [L8] -> probabilities exp(s - max) in place (positions >= L become exactly 0);
+// returns their sum.
+float softmax_numerators(float* s, int64_t L) {
   const int64_t L8 = (L + 7) / 8 * 8;
-  gather_rows(kv, kvh, L, sc);
-  sc.scores.resize(L8);
-  float* s = sc.scores.data();
-  // 1) scores, and their max; padding up to a multiple of 8 is -inf
-  for (int64_t p0 = 0; p0 < L; p0 += 8) scores8(q, sc, p0, L, D, scale, s);
   std::fill(s + L, s + L8, -std::numeric_limits<float>::infinity());
   __m256 vmax = _mm256_loadu_ps(s);
   for (int64_t p = 8; p < L8; p += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + p));
   vmax = _mm256_set1_ps(hmax(vmax));
-  // 2) probabilities exp(s - max) in place (the padding becomes exactly 0), and their sum
   __m256 vsum = _mm256_setzero_ps();
   for (int64_t p = 0; p < L8; p += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmax));
     _mm256_storeu_ps(s + p, e);
     vsum = _mm256_add_ps(vsum, e);
   }
-  const float denom = hsum(vsum);
-  // 3) probability-weighted values, in slices of at most 64 features (8 accumulators)
+  return hsum(vsum);
+}
+
+// For NQ queries over the same positions 0..L-1 (heads of one token) and features
+// [d0, d0 + 8 NV): out_q[d] = sum_p probs_q[p] * v_p[d] / denom_q, positions in ascending order.
+// Every 8-feature vector of every query is its own FMA chain, so the result is the same for any
+// NQ, NV or d0 slicing; sharing a loaded V row between queries only saves memory traffic.
+template <int NQ, int NV>
+void values_tile(const float* const* v_rows, const float* const* probs, int64_t L, int64_t d0,
+                 const float* denoms, float* const* outs) {
+  __m256 acc[NQ][NV];
+  for (int j = 0; j < NQ; ++j)
+    for (int i = 0; i < NV; ++i) acc[j][i] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < L; ++p) {
+    const float* v = v_rows[p] + d0;
+    for (int j = 0; j < NQ; ++j) {
+      const __m256 w = _mm256_set1_ps(probs[j][p]);
+      for (int i = 0; i < NV; ++i) {
+        acc[j][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[j][i]);
+      }
+    }
+  }
+  for (int j = 0; j < NQ; ++j) {
+    const __m256 den = _mm256_set1_ps(denoms[j]);
+    for (int i = 0; i < NV; ++i) {
+      _mm256_storeu_ps(outs[j] + d0 + 8 * i, _mm256_div_ps(acc[j][i], den));
+    }
+  }
+}
+
+// All D features of NQ queries, in slices that keep NQ * NV accumulators within the 16 vector
+// registers (and at least 8 independent FMA chains, to hide their latency).
+template <int NQ>
+void values(const float* const* v_rows, const float* const* probs, int64_t L, int64_t D,
+            const float* denoms, float* const* outs) {
+  constexpr int kWide = NQ == 1 ? 8 : 12 / NQ;  // vectors per slice: 8, 6 or 4
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) weighted_values<8>(sc, s, L, d0, denom, out);
-  for (; d0 + 32 <= D; d0 += 32) weighted_values<4>(sc, s, L, d0, denom, out);
-  for (; d0 + 16 <= D; d0 += 16) weighted_values<2>(sc, s, L, d0, denom, out);
-  for (; d0 + 8 <= D; d0 += 8) weighted_values<1>(sc, s, L, d0, denom, out);
+  for (; d0 + 8 * kWide <= D; d0 += 8 * kWide) {
+    values_tile<NQ, kWide>(v_rows, probs, L, d0, denoms, outs);
+  }
+  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 2>(v_rows, probs, L, d0, denoms, outs);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1>(v_rows, probs, L, d0, denoms, outs);
+}
+
+void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
+  const int64_t D = pb.head_dim, Hq = pb.num_heads;
+  const int64_t group = Hq / pb.num_kv_heads, heads = u.h1 - u.h0;
+  const int64_t num_queries = (u.t1 - u.t0) * heads;
+  int64_t L_max = 0;
+  for (int64_t t = u.t0; t < u.t1; ++t) L_max = std::max<int64_t>(L_max, pb.pos[t] + 1);
+  const int64_t stride = (L_max + 7) / 8 * 8;  // one query's scores in the scratch
+  gather_rows(pb, pb.tables + pb.seq[u.t0] * pb.max_blocks, u.kvh, L_max, sc);
+  sc.scores.resize(num_queries * stride);
+  float* scores = sc.scores.data();
+  // query j = (token u.t0 + j / heads, head kvh * group + u.h0 + j % heads), in q / out at:
+  auto offset = [&](int64_t j) {
+    return ((u.t0 + j / heads) * Hq + u.kvh * group + u.h0 + j % heads) * D;
+  };
+  // 1) scores of every query, chunk by chunk (each chunk's K rows come from memory once);
+  //    chunks past a query's own length are skipped. K and V rows are prefetched two chunks
+  //    ahead: block boundaries are jumps the hardware prefetcher cannot predict.
+  constexpr int64_t kAhead = 16;
+  for (int64_t p = 0; p < std::min(kAhead, L_max); ++p) {
+    prefetch_row(sc.k_rows[p], D);
+    prefetch_row(sc.v_rows[p], D);
+  }
+  for (int64_t p0 = 0; p0 < L_max; p0 += 8) {
+    const float* k[8];
+    for (int j = 0; j < 8; ++j) {
+      k[j] = sc.k_rows[std::min(p0 + j, L_max - 1)];  // past the end: repeat, overwritten later
+      if (p0 + kAhead + j < L_max) {
+        prefetch_row(sc.k_rows[p0 + kAhead + j], D);
+        prefetch_row(sc.v_rows[p0 + kAhead + j], D);
+      }
+    }
+    for (int64_t j = 0; j < num_queries; ++j) {
+      if (p0 <= pb.pos[u.t0 + j / heads]) {
+        scores8(pb.q + offset(j), k, D, pb.scale, scores + j * stride + p0);
+      }
+    }
+  }
+  // 2) per token: softmax of each head over the token's own positions, then the
+  //    probability-weighted values, heads in tiles of up to 3 that share each V row load
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    const int64_t L = pb.pos[t] + 1;
+    const int64_t j0 = (t - u.t0) * heads;
+    for (int64_t h0 = 0; h0 < heads; h0 += 3) {
+      const int nq = static_cast<int>(std::min<int64_t>(3, heads - h0));
+      const float* probs[3];
+      float denoms[3];
+      float* outs[3];
+      for (int i = 0; i < nq; ++i) {
+        float* s = scores + (j0 + h0 + i) * stride;
+        denoms[i] = softmax_numerators(s, L);
+        probs[i] = s;
+        outs[i] = pb.out + offset(j0 + h0 + i);
+      }
+      const float* const* v_rows = sc.v_rows.data();
+      if (nq == 3) {
+        values<3>(v_rows, probs, L, D, denoms, outs);
+      } else if (nq == 2) {
+        values<2>(v_rows, probs, L, D, denoms, outs);
+      } else {
+        values<1>(v_rows, probs, L, D, denoms, outs);
+      }
+    }
+  }
+}
+
+// Splits the batch into units (see the top of the file), longest contexts first so that dynamic
+// claiming balances the threads.
+std::vector<Unit> make_units(const Problem& pb, int64_t T) {
+  std::vector<Unit> runs;
+  for (int64_t t0 = 0; t0 < T;) {
+    int64_t t1 = t0 + 1;
+    while (t1 < T && t1 - t0 < kRunTokens && pb.seq[t1] == pb.seq[t0]) ++t1;
+    runs.push_back({t0, t1, 0, 0, 0});
+    t0 = t1;
+  }
+  const int64_t group = pb.num_heads / pb.num_kv_heads;
+  // too few units for the threads (a single decode token): split the query heads of each group
+  const int64_t wanted = 2 * int64_t{pool_threads()};
+  const int64_t per_kv = static_cast<int64_t>(runs.size()) * pb.num_kv_heads;
+  const int64_t slices = std::min(group, std::max<int64_t>(1, (wanted + per_kv - 1) / per_kv));
+  const int64_t slice = (group + slices - 1) / slices;
+  std::vector<Unit> units;
+  for (auto r = runs.rbegin(); r != runs.rend(); ++r) {
+    for (int64_t kvh = 0; kvh < pb.num_kv_heads; ++kvh) {
+      for (int64_t h0 = 0; h0 < group; h0 += slice) {
+        units.push_back({r->t0, r->t1, kvh, h0, std::min(group, h0 + slice)});
+      }
+    }
+  }
+  return units;
 }
 
 void check(bool ok, const char* what) {
@@ -148,35 +271,29 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   check(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
   check(token_seq.numel() == T && token_pos.numel() == T, "token_seq, token_pos must have T entries");
   const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
-  const int64_t block_size = k_cache.size(1), group = Hq / Hkv;
+  const int64_t block_size = k_cache.size(1);
 
-  const int32_t* seq = token_seq.const_data_ptr<int32_t>();
-  const int32_t* pos = token_pos.const_data_ptr<int32_t>();
+  const Problem pb{q.const_data_ptr<float>(), k_cache.const_data_ptr<float>(),
+                   v_cache.const_data_ptr<float>(), block_tables.const_data_ptr<int32_t>(),
+                   token_seq.const_data_ptr<int32_t>(), token_pos.const_data_ptr<int32_t>(),
+                   nullptr, Hq, Hkv, D, k_cache.size(0), block_size, max_blocks,
+                   static_cast<float>(scale)};
   int64_t num_positions = 0;  // summed over tokens: the work, in units of one K and one V row
   for (int64_t t = 0; t < T; ++t) {
-    check(seq[t] >= 0 && seq[t] < S, "token_seq entry out of range");
-    check(pos[t] >= 0 && pos[t] < max_blocks * block_size, "token_pos beyond the block table");
-    num_positions += pos[t] + 1;
+    check(pb.seq[t] >= 0 && pb.seq[t] < S, "token_seq entry out of range");
+    check(pb.pos[t] >= 0 && pb.pos[t] < max_blocks * block_size, "token_pos beyond the block table");
+    num_positions += pb.pos[t] + 1;
   }
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const float* qp = q.const_data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t num_pairs = T * Hq;
-  // under ~2K (position, head) pairs, about 10 us of work, a second thread costs more than it saves
-  const int64_t grain = num_positions * Hq < 2048 ? num_pairs : 1;
-  at::parallel_for(0, num_pairs, grain, [&](int64_t begin, int64_t end) {
+  Problem problem = pb;
+  problem.out = out.data_ptr<float>();
+  const std::vector<Unit> units = make_units(problem, T);
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  // under ~2K (position, head) pairs, a few microseconds of work, one thread does it all
+  const int64_t chunk = num_positions * Hq < 2048 ? num_units : 1;
+  parallel_for(num_units, chunk, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
-    for (int64_t i = begin; i < end; ++i) {
-      // Zigzag order: each thread's contiguous share mixes early (short) and late (long)
-      // tokens of a causal prefill, which balances the threads.
-      const int64_t pair = (i % 2 == 0) ? i / 2 : num_pairs - 1 - i / 2;
-      const int64_t t = pair / Hq, h = pair % Hq;
-      const PagedKV kv{k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(),
-                       block_tables.const_data_ptr<int32_t>() + seq[t] * max_blocks,
-                       k_cache.size(0), block_size, Hkv, D};
-      attend(qp + pair * D, kv, h / group, pos[t] + 1, static_cast<float>(scale), op + pair * D,
-             scratch);
-    }
+    for (int64_t i = begin; i < end; ++i) attend_unit(problem, units[i], scratch);
   });
   return out;
 }

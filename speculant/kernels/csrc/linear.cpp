@@ -21,13 +21,13 @@
 // and at whatever position.
 #include "ops.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "pool.h"
 #include "simd.h"
 
 namespace speculant {
@@ -90,7 +90,7 @@ void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& a) {
   a.d.resize(M * nb);
   a.dsum.resize(M * nb);
   a.sum.resize(M * nb);
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(x + m * K, nb, a.q.data() + m * K, a.d.data() + m * nb,
                    a.dsum.data() + m * nb, a.sum.data() + m * nb);
@@ -306,9 +306,9 @@ void run(const Kernel& kernel, int64_t M, int64_t N, int64_t group_bytes, float*
   const int64_t G = (N + 7) / 8;
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const int64_t m1 = std::min(M, m0 + kRowsPerPass);
-    // at least ~32 KB of weight traffic per task, so small products skip threading
-    const int64_t grain = std::max<int64_t>(1, (32 << 10) / (group_bytes * (m1 - m0)));
-    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    // at least ~32 KB of weight traffic per chunk, so small products skip threading
+    const int64_t min_chunk = std::max<int64_t>(1, (32 << 10) / (group_bytes * (m1 - m0)));
+    parallel_for(G, balanced_chunk(G, min_chunk), [&](int64_t g0, int64_t g1) {
       int64_t g = g0;
       for (; g + kGroupTile <= g1; g += kGroupTile) run_groups<kGroupTile>(kernel, g, m0, m1, N, out);
       for (; g < g1; ++g) run_groups<1>(kernel, g, m0, m1, N, out);

@@ -11,9 +11,20 @@ TORCH_LIBRARY(speculant, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor token_seq, Tensor token_pos, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) h, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def(
+      "rope_write_kv(Tensor qkv, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, "
+      "Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, int num_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("packed_linear", &speculant::packed_linear);
   m.impl("paged_attention", &speculant::paged_attention);
+  m.impl("rms_norm", &speculant::rms_norm);
+  m.impl("add_rms_norm", &speculant::add_rms_norm);
+  m.impl("silu_mul", &speculant::silu_mul);
+  m.impl("rope_write_kv", &speculant::rope_write_kv);
 }

@@ -20,4 +20,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& token_seq, const at::Tensor& token_pos,
                            double scale);
 
+// x [T, D] -> weight * x / sqrt(mean(x^2) + eps), row by row (rowwise.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// h += delta in place, then returns rms_norm(h) (rowwise.cpp).
+at::Tensor add_rms_norm(const at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight,
+                        double eps);
+
+// gate_up [T, 2F] = gate | up -> silu(gate) * up [T, F] (rowwise.cpp).
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+// Fused QKV output [T, (Hq + 2 Hkv) D] -> rotated q [T, Hq, D]; rotated k and v written into the
+// caches at slot_mapping (rope.cpp).
+at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& q_norm,
+                         const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& positions,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping, int64_t num_heads);
+
 }  // namespace speculant

@@ -1,0 +1,183 @@
+"""`speculant bench --replay RECORDS.jsonl --spec-type "a,b;c"`: acceptance without the model.
+
+Records are `{"id", "category", "prompt_ids", "output_ids"}` (what `speculant bench --record`
+writes; `id` and `category` are optional). Each ';'-separated chain of --spec-type replays every
+category's records through `speculant.spec.replay`, driven through a `SpeculatorChain` as the
+engine drives it (every member proposes, the chain picks and trims the winner), with fresh
+speculator state per chain and category and the records of a category in file order (state such
+as the suffix drafter's global tree carries from one record to the next, as in a server).
+
+Differences from a real run: greedy verification is simulated by the record; the chain prices a
+draft token with the engine's prior step cost (`StepCostModel`) instead of a fitted one; model
+drafters (`is_model_based`) are refused.
+
+JSON (last stdout line, and `bench-replay-<date>.json` in --out-dir):
+  schema        "speculant-bench-replay/1"
+  date, records (the file), n_max, methods [chain], categories {category: num_records}
+  results       [{"category", "method", "num_records", "num_generated", "num_steps",
+                  "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                  "mean_accepted_length" (1 + accepted / verification steps, as the engine),
+                  "acceptance_rate", "accepted_per_pos",
+                  "spec_ms_per_step" (replay time per step: every speculator call, begin to end)}]
+  summary       {category: {"method", "mean_accepted_length", "acceptance_rate"}}: the chain
+                with the longest mean accepted length
+  files         {"json": path, "chart": null}
+"""
+from __future__ import annotations
+
+import sys
+import time
+from types import SimpleNamespace
+
+from speculant.spec.base import (
+    CommittedTokens,
+    Draft,
+    DraftParams,
+    DraftRequest,
+    Speculator,
+    SpeculatorContext,
+    speculator_class,
+)
+from speculant.spec.chain import SpeculatorChain
+from speculant.spec.replay import ReplayStats, load_records, replay_record
+
+SCHEMA = "speculant-bench-replay/1"
+
+
+class ChainDrafter(Speculator):
+    """A `SpeculatorChain` behind the single-speculator contract, so the replay simulator drives
+    the chain exactly where the engine would."""
+
+    name = "chain"
+
+    def __init__(self, chain: SpeculatorChain, types: tuple[str, ...], cost_per_token: float):
+        self.chain, self.types, self.cost_per_token = chain, types, cost_per_token
+
+    def begin(self, seq_id: int, prompt_ids: list[int]) -> None:
+        self.chain.begin(seq_id, prompt_ids, self.types)
+
+    def process(self, batch: list[CommittedTokens]) -> None:
+        self.chain.process(batch)
+
+    def draft(self, requests: list[DraftRequest]) -> dict[int, Draft]:
+        return self.chain.draft(requests, self.cost_per_token)
+
+    def accept(self, seq_id: int, num_accepted: int, is_other: bool) -> None:
+        self.chain.accept(seq_id, num_accepted)
+
+    def end(self, seq_id: int) -> None:
+        self.chain.end(seq_id)
+
+
+def build_chain(types: list[str], vocab_size: int, spec_options: dict) -> ChainDrafter:
+    from speculant.spec.factory import create_speculators
+    from speculant.step_cost import StepCostModel
+
+    for name in types:
+        if speculator_class(name).is_model_based:
+            raise ValueError(f"--replay measures model-free speculators; {name!r} runs a model")
+    config = SimpleNamespace(spec_type=list(types), spec_options=spec_options)
+    speculators = create_speculators(config, SpeculatorContext(vocab_size=vocab_size))
+    return ChainDrafter(SpeculatorChain(speculators), tuple(types), StepCostModel().cost_per_token(1))
+
+
+def replay_category(drafter: ChainDrafter, records: list[dict], params: DraftParams,
+                    bar=None) -> tuple[ReplayStats, float]:
+    """All records through one drafter, in order; (total statistics, seconds it took)."""
+    total = ReplayStats()
+    t0 = time.perf_counter()
+    for i, rec in enumerate(records):
+        total.add(replay_record(drafter, rec["prompt_ids"], rec["output_ids"], params, seq_id=i))
+        if bar is not None:
+            bar.update()
+    return total, time.perf_counter() - t0
+
+
+def result_row(category: str, method: str, stats: ReplayStats, seconds: float) -> dict:
+    """One row of the replay JSON; steps exclude the prefill, as the engine counts them."""
+    steps = stats.steps - stats.num_records if stats.num_generated else 0
+    return {"category": category, "method": method, "num_records": stats.num_records,
+            "num_generated": stats.num_generated, "num_steps": steps,
+            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens,
+            "mean_accepted_length": round(1 + stats.num_accepted_tokens / steps, 3) if steps else 1.0,
+            "acceptance_rate": round(stats.acceptance_rate, 3),
+            "accepted_per_pos": list(stats.accepted_per_pos),
+            "spec_ms_per_step": round(1e3 * seconds / stats.steps, 3) if stats.steps else 0.0}
+
+
+def group_records(records: list[dict], categories: list[str] | None,
+                  limit: int | None) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for rec in records:
+        cat = str(rec.get("category", "default"))
+        if categories and cat not in categories:
+            continue
+        if limit is None or len(groups.get(cat, [])) < limit:
+            groups.setdefault(cat, []).append(rec)
+    if categories and sorted(set(categories) - set(groups)):
+        raise ValueError(f"no records in categories {sorted(set(categories) - set(groups))}")
+    return groups
+
+
+def run_replay(args) -> int:
+    from tqdm import tqdm
+
+    from speculant.bench import emit_report, parse_methods
+    from speculant.bench_report import now_iso
+    from speculant.cli import parse_spec_options
+
+    methods = [(name, types) for name, types in parse_methods(args.spec_type) if types]
+    if not methods:
+        raise ValueError("--replay needs --spec-type with at least one speculator")
+    records = load_records(args.replay)
+    groups = group_records(records, args.categories.split(",") if args.categories else None,
+                           args.limit)
+    vocab_size = 1 + max((max(r["prompt_ids"] + r["output_ids"], default=0) for r in records), default=0)
+    params = DraftParams(args.spec_n_max, args.spec_n_min, args.spec_p_min)
+    options = parse_spec_options(args.spec_option)
+    date = now_iso()
+    bar = tqdm(total=len(methods) * sum(map(len, groups.values())), desc="replay", unit="record",
+               file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    rows = []
+    for name, types in methods:
+        for cat, recs in groups.items():
+            bar.set_postfix_str(f"{cat} {name}")
+            stats, seconds = replay_category(build_chain(types, vocab_size, options), recs, params, bar)
+            rows.append(result_row(cat, name, stats, seconds))
+    bar.close()
+    report = {"schema": SCHEMA, "date": date, "records": args.replay, "n_max": args.spec_n_max,
+              "methods": [n for n, _ in methods],
+              "categories": {cat: len(recs) for cat, recs in groups.items()},
+              "results": rows, "summary": _best(rows), "files": {"json": None, "chart": None}}
+    emit_report(report, args, [replay_table(rows), replay_summary(report["summary"])],
+                prefix="bench-replay", chart=False)
+    return 0
+
+
+def _best(rows: list[dict]) -> dict:
+    out = {}
+    for row in rows:
+        best = out.get(row["category"])
+        if best is None or row["mean_accepted_length"] > best["mean_accepted_length"]:
+            out[row["category"]] = {k: row[k] for k in ("method", "mean_accepted_length",
+                                                         "acceptance_rate")}
+    return out
+
+
+def replay_table(rows: list[dict]) -> str:
+    from speculant.bench_report import markdown
+
+    head = ["category", "method", "records", "tokens", "acc.len", "acc.rate", "drafts",
+            "spec ms/step"]
+    return markdown(head, [[r["category"], r["method"], str(r["num_records"]),
+                            str(r["num_generated"]), f"{r['mean_accepted_length']:.2f}",
+                            f"{r['acceptance_rate']:.2f}", str(r["num_drafts"]),
+                            f"{r['spec_ms_per_step']:.3f}"] for r in rows])
+
+
+def replay_summary(best: dict) -> str:
+    lines = ["Summary (replay, no model; longest mean accepted length per category):"]
+    lines += [f"  {cat:<16} {b['method']:<24} acc.len {b['mean_accepted_length']:.2f}, "
+              f"acceptance {b['acceptance_rate']:.2f}" for cat, b in best.items()]
+    return "\n".join(lines)

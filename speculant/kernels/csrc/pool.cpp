@@ -1,0 +1,156 @@
+// The kernels' thread pool (see pool.h for why it exists).
+//
+// Protocol. A job is published by writing its descriptor (fn, ctx, sizes) and then the claim word
+// claim = generation << 32 | next_chunk, and finally bumping `generation`, which workers watch.
+// Any thread claims chunk i by a CAS of claim from (g, i) to (g, i + 1), so a chunk runs once, and
+// only while job g is open. When all chunks are done the caller closes the job (claim =
+// (g, kClosed)) before it writes the next descriptor, with a release fence in between: a late
+// worker that reads a descriptor field of a later job necessarily sees the job closed at its
+// CAS, so it never runs a chunk with a mixed-up descriptor.
+#include "pool.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <pthread.h>
+
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace speculant {
+namespace {
+
+constexpr uint64_t kClosed = 0xFFFFFFFFu;
+// Idle workers spin this long before sleeping: covers the gaps between the kernel calls of a
+// forward (a few to tens of microseconds of Python), not the gaps between engine steps.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+thread_local bool in_chunk = false;  // nested parallel_for calls run inline
+
+struct Pool {
+  alignas(64) std::atomic<uint64_t> claim{kClosed};
+  alignas(64) std::atomic<int64_t> done{0};
+  alignas(64) std::atomic<uint32_t> generation{0};
+  std::atomic<int> sleepers{0};
+  // the job's descriptor; atomics because a late worker may read them while they are rewritten
+  std::atomic<ChunkFn> fn{nullptr};
+  std::atomic<const void*> ctx{nullptr};
+  std::atomic<int64_t> n{0}, chunk{1}, num_chunks{0};
+  std::atomic<int> num_workers{0};  // workers with index < num_workers take part in the job
+  std::mutex caller;  // one job at a time; other callers run inline
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  int num_started = 0;  // worker threads created (guarded by `caller`)
+};
+
+// Claims and runs chunks of job `gen` until none is left; returns the number it ran.
+void work(Pool& p, uint32_t gen) {
+  const ChunkFn fn = p.fn.load(std::memory_order_acquire);
+  const void* ctx = p.ctx.load(std::memory_order_acquire);
+  const int64_t n = p.n.load(std::memory_order_acquire);
+  const int64_t chunk = p.chunk.load(std::memory_order_acquire);
+  const uint64_t num_chunks = static_cast<uint64_t>(p.num_chunks.load(std::memory_order_acquire));
+  uint64_t c = p.claim.load(std::memory_order_acquire);
+  for (;;) {
+    if ((c >> 32) != gen || (c & kClosed) >= num_chunks) return;
+    if (!p.claim.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
+    const int64_t begin = static_cast<int64_t>(c & kClosed) * chunk;
+    in_chunk = true;
+    try {
+      fn(ctx, begin, std::min(n, begin + chunk));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(p.error_mutex);
+      if (!p.error) p.error = std::current_exception();
+    }
+    in_chunk = false;
+    p.done.fetch_add(1, std::memory_order_acq_rel);
+    c = p.claim.load(std::memory_order_acquire);
+  }
+}
+
+void worker_loop(Pool& p, int index) {
+  uint32_t seen = p.generation.load(std::memory_order_acquire);
+  for (;;) {
+    uint32_t gen = p.generation.load(std::memory_order_acquire);
+    const auto spin_end = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 0; gen == seen; ++i) {
+      _mm_pause();
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() > spin_end) {
+        p.sleepers.fetch_add(1, std::memory_order_seq_cst);
+        p.generation.wait(seen, std::memory_order_seq_cst);
+        p.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      }
+      gen = p.generation.load(std::memory_order_acquire);
+    }
+    seen = gen;
+    if (index < p.num_workers.load(std::memory_order_acquire)) work(p, gen);
+  }
+}
+
+Pool* instance = nullptr;
+
+Pool* pool() {
+  // Never destroyed: detached workers may still be waiting on it at exit. A forked child has no
+  // workers (threads do not survive fork), so it starts a fresh pool.
+  static const bool registered = [] {
+    instance = new Pool;
+    pthread_atfork(nullptr, nullptr, [] { instance = new Pool; });
+    return true;
+  }();
+  (void)registered;
+  return instance;
+}
+
+void start_workers(Pool& p, int wanted) {
+  for (; p.num_started < wanted; ++p.num_started) {
+    std::thread(worker_loop, std::ref(p), p.num_started).detach();
+  }
+}
+
+}  // namespace
+
+int pool_threads() { return std::max(1, at::get_num_threads()); }
+
+void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
+  const int64_t num_chunks = (n + chunk - 1) / chunk;
+  const int threads = pool_threads();
+  Pool& p = *pool();
+  std::unique_lock<std::mutex> lock(p.caller, std::try_to_lock);
+  if (threads == 1 || in_chunk || !lock.owns_lock() || num_chunks >= int64_t{kClosed}) {
+    fn(ctx, 0, n);
+    return;
+  }
+  start_workers(p, threads - 1);
+  // 1) publish: descriptor, then the open claim word, then the generation the workers watch
+  const uint32_t gen = p.generation.load(std::memory_order_relaxed) + 1;
+  p.fn.store(fn, std::memory_order_relaxed);
+  p.ctx.store(ctx, std::memory_order_relaxed);
+  p.n.store(n, std::memory_order_relaxed);
+  p.chunk.store(chunk, std::memory_order_relaxed);
+  p.num_chunks.store(num_chunks, std::memory_order_relaxed);
+  p.num_workers.store(threads - 1, std::memory_order_relaxed);
+  p.done.store(0, std::memory_order_relaxed);
+  p.claim.store(uint64_t{gen} << 32, std::memory_order_release);
+  p.generation.store(gen, std::memory_order_seq_cst);
+  if (p.sleepers.load(std::memory_order_seq_cst) > 0) p.generation.notify_all();
+  // 2) take part, then wait only for chunks that workers have claimed
+  work(p, gen);
+  for (int i = 0; p.done.load(std::memory_order_acquire) < num_chunks; ++i) {
+    // a worker was descheduled in the middle of a chunk: let anything sharing our core run
+    if (i >= 2000) std::this_thread::yield();
+    _mm_pause();
+  }
+  // 3) close the job before the next descriptor can be written (see the protocol above)
+  p.claim.store((uint64_t{gen} << 32) | kClosed, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (p.error) {
+    std::exception_ptr error = p.error;
+    p.error = nullptr;
+    std::rethrow_exception(error);
+  }
+}
+
+}  // namespace speculant

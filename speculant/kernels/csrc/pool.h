@@ -1,0 +1,51 @@
+// A small work-sharing thread pool for the kernels, used instead of OpenMP (at::parallel_for).
+//
+// Why: the machine has 2 cores shared with other processes. An OpenMP region ends only when
+// every thread has run its static share, so whenever the second core is busy elsewhere, each
+// region waits for our worker to get a time slice (milliseconds), dozens of times per step.
+// Here work is split into chunks claimed one at a time from a shared counter; the calling thread
+// claims chunks too, so if the worker is descheduled, the caller simply does all the work and
+// waits only for chunks the worker actually started. Idle workers spin briefly (the next kernel
+// call usually follows within microseconds), then sleep on a futex.
+//
+// Results never depend on which thread runs a chunk: every kernel computes each output element
+// with the same instructions whoever computes it, so dynamic claiming keeps batch invariance.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace speculant {
+
+using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
+
+// Runs fn(ctx, b, e) for the chunks [b, e) = [i * chunk, min(n, (i + 1) * chunk)) of [0, n), on
+// the caller and up to at::get_num_threads() - 1 workers, and returns when all are done. Runs
+// inline when called from inside a chunk or while another thread is using the pool. An exception
+// thrown by a chunk is rethrown here (the other chunks still run).
+void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx);
+
+// Number of threads a parallel_for may use (the caller included): at::get_num_threads().
+int pool_threads();
+
+template <typename F>
+void parallel_for(int64_t n, int64_t chunk, const F& f) {
+  if (n <= 0) return;
+  chunk = std::max<int64_t>(chunk, 1);
+  if (n <= chunk) {
+    f(int64_t{0}, n);
+    return;
+  }
+  run_chunks(
+      n, chunk,
+      [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); }, &f);
+}
+
+// A chunk size for `n` items that gives each of the pool's threads a few chunks to balance
+// with, but never chunks smaller than `min_chunk` items (the cost of one claim is ~0.1 us).
+inline int64_t balanced_chunk(int64_t n, int64_t min_chunk, int chunks_per_thread = 4) {
+  const int64_t parts = int64_t{pool_threads()} * chunks_per_thread;
+  return std::max<int64_t>(min_chunk, (n + parts - 1) / parts);
+}
+
+}  // namespace speculant

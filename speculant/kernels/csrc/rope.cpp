@@ -1,0 +1,132 @@
+// The attention block's glue between the QKV projection and attention, fused into one pass per
+// token: split the fused projection into q / k / v heads, add the QKV bias (Qwen2), RMS-normalize
+// each q and k head (Qwen3), rotate q and k (NeoX / HF RoPE), return q and write k and v straight
+// into the paged cache at the token's slot.
+//
+// The order of operations is the PyTorch reference's (bias, norm, rotate), each step rounding the
+// same way, so the result is bit-identical to it except for the norms' sum of squares (rows.h).
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include <cstring>
+
+#include "ops.h"
+#include "pool.h"
+#include "rows.h"
+
+namespace speculant {
+namespace {
+
+// Entry i of an int32 or int64 index tensor.
+struct Indices {
+  const int32_t* i32 = nullptr;
+  const int64_t* i64 = nullptr;
+  int64_t operator[](int64_t i) const { return i32 ? i32[i] : i64[i]; }
+};
+
+Indices indices(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.numel() == n && t.is_contiguous() &&
+                  (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong),
+              "speculant::rope_write_kv: ", name, " must be a contiguous int32/int64 CPU "
+              "tensor of ", n, " entries");
+  Indices idx;
+  if (t.scalar_type() == at::kInt) {
+    idx.i32 = t.const_data_ptr<int32_t>();
+  } else {
+    idx.i64 = t.const_data_ptr<int64_t>();
+  }
+  return idx;
+}
+
+const float* optional_vector(const std::optional<at::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 1 &&
+                  t->numel() == n && t->is_contiguous(),
+              "speculant::rope_write_kv: ", name, " must be a contiguous float32 CPU tensor of ",
+              n, " elements");
+  return t->const_data_ptr<float>();
+}
+
+// dst = src (+ bias), then the optional per-head norm and rotation, all in place in dst.
+void head(const float* src, const float* bias, const float* norm, float eps, const float* cos,
+          const float* sin, int64_t D, float* dst) {
+  if (bias) {
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+      _mm256_storeu_ps(dst + i, _mm256_add_ps(_mm256_loadu_ps(src + i), _mm256_loadu_ps(bias + i)));
+    }
+    for (; i < D; ++i) dst[i] = src[i] + bias[i];
+  } else {
+    std::memcpy(dst, src, D * sizeof(float));
+  }
+  if (norm) rms_norm_row(dst, norm, eps, D, dst);
+  if (cos) rope_row(dst, cos, sin, D);
+}
+
+}  // namespace
+
+at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& q_norm,
+                         const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         int64_t num_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 &&
+                  qkv.is_contiguous(),
+              "speculant::rope_write_kv: qkv must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu(),
+              "speculant::rope_write_kv: caches must be contiguous float32 CPU tensors "
+              "[num_blocks, block_size, num_kv_heads, head_dim]");
+  const int64_t T = qkv.size(0), Hq = num_heads, Hkv = k_cache.size(2), D = k_cache.size(3);
+  const int64_t width = (Hq + 2 * Hkv) * D, num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(qkv.size(1) == width, "speculant::rope_write_kv: qkv has ", qkv.size(1),
+              " columns, expected (", Hq, " + 2 * ", Hkv, ") * ", D);
+  TORCH_CHECK(D % 2 == 0, "speculant::rope_write_kv: head_dim must be even");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(1) == D &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat && cos.device().is_cpu() && sin.device().is_cpu(),
+              "speculant::rope_write_kv: cos and sin must be contiguous float32 CPU tables "
+              "[max_positions, head_dim]");
+  const Indices pos = indices(positions, T, "positions");
+  const Indices slots = indices(slot_mapping, T, "slot_mapping");
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "speculant::rope_write_kv: position ",
+                pos[t], " outside the rotary tables (", cos.size(0), " positions)");
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "speculant::rope_write_kv: slot ",
+                slots[t], " outside the cache (", num_slots, " slots)");
+  }
+  const float* b = optional_vector(bias, width, "bias");
+  const float* qn = optional_vector(q_norm, D, "q_norm");
+  const float* kn = optional_vector(k_norm, D, "k_norm");
+  at::Tensor q = at::empty({T, Hq, D}, qkv.options());
+  const float* src = qkv.const_data_ptr<float>();
+  const float* cp = cos.const_data_ptr<float>();
+  const float* sp = sin.const_data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  parallel_for(T, balanced_chunk(T, 16), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* row = src + t * width;
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      float* k_dst = kc + slots[t] * Hkv * D;
+      float* v_dst = vc + slots[t] * Hkv * D;
+      for (int64_t h = 0; h < Hq; ++h) {
+        head(row + h * D, b ? b + h * D : nullptr, qn, e, c, s, D, qp + (t * Hq + h) * D);
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
+        head(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, k_dst + h * D);
+        head(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D, v_dst + h * D);
+      }
+    }
+  });
+  return q;
+}
+
+}  // namespace speculant

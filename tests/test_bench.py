@@ -1,0 +1,288 @@
+"""`speculant bench`: report building, interference detection, replay, peers and the CLI."""
+import json
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from speculant import bench_timing
+from speculant.bench import parse_compare
+from speculant.bench_report import (
+    PeerResult,
+    RunResult,
+    build_report,
+    markdown_table,
+    peers_table,
+    summary_text,
+    write_outputs,
+)
+from speculant.bench_timing import CpuSample, cpu_usage, read_proc_stat, run_with_reruns
+from speculant.cli import main
+
+TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "max_tokens", "concurrency",
+            "repeats", "peer_repeats", "methods", "results", "categories", "by_method", "peers", "summary", "interference",
+            "files"}
+RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_tokens",
+               "generated_tokens", "prefill_tok_s", "decode_tok_s", "decode_tok_s_best",
+               "repeats_decode_tok_s", "e2e_tok_s", "speedup", "mean_accepted_length",
+               "acceptance_rate", "draft_time_share", "identical_to_plain", "num_steps",
+               "num_drafts", "num_draft_tokens", "num_accepted_tokens", "interference",
+               "other_cpu_cores", "own_cpu_util", "num_reruns"}
+META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
+        "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "peer_repeats": 1,
+        "methods": ["plain", "suffix"],
+        "machine": {"cpu": "test cpu", "num_cpus": 2, "threads": 2, "platform": "x",
+                    "python": "3", "torch": "2"}}
+
+
+def result(method, category, concurrency, rate, same=None, accepted=0):
+    return RunResult(method=method, concurrency=concurrency, category=category, num_prompts=2,
+                     prompt_tokens=100, generated_tokens=128, prefill_tok_s=500.0,
+                     decode_tok_s=rate, e2e_tok_s=rate / 2, mean_accepted_length=1 + accepted / 10,
+                     acceptance_rate=0.5 if accepted else 0.0, draft_time_share=0.01,
+                     identical_to_plain=same, repeats_decode_tok_s=[rate], decode_tok_s_best=rate,
+                     num_steps=10, num_drafts=5 if accepted else 0,
+                     num_draft_tokens=2 * accepted, num_accepted_tokens=accepted)
+
+
+def synthetic_report():
+    results = [result("plain", "summarization", 1, 50.0), result("suffix", "summarization", 1, 100.0, 2, 8),
+               result("plain", "summarization", 8, 200.0), result("suffix", "summarization", 8, 300.0, 2, 8),
+               result("plain", "qa", 1, 60.0), result("suffix", "qa", 1, 54.0, 1, 1),
+               result("plain", "qa", 8, 240.0), result("suffix", "qa", 8, 240.0, 2, 1)]
+    peers = [PeerResult("hf_transformers_fp32", "hf", "plain", cat, 2, 128, [254], [25.4],
+                        interference=False, detail={"dtype": "float32"}) for cat in ("summarization", "qa")]
+    return build_report(dict(META), results, peers)
+
+
+def test_report_speedups_and_best():
+    """Speedup is relative to plain at the same category and concurrency; best is the fastest."""
+    report = synthetic_report()
+    by = {(r["category"], r["method"], r["concurrency"]): r for r in report["results"]}
+    assert by[("summarization", "suffix", 1)]["speedup"] == 2.0
+    assert by[("qa", "suffix", 1)]["speedup"] == 0.9
+    assert report["summary"]["summarization"]["1"]["method"] == "suffix"
+    assert report["summary"]["qa"]["8"]["speedup"] == 1.0
+    assert report["by_method"]["suffix"]["1"]["identical_to_plain"] == 3
+
+
+def test_report_json_schema_keys():
+    """The document has the documented keys at every level, and it is valid JSON."""
+    report = json.loads(json.dumps(synthetic_report()))
+    assert set(report) == TOP_KEYS
+    assert all(set(r) == RESULT_KEYS for r in report["results"])
+    cat = report["categories"]["summarization"]
+    assert set(cat) == {"num_prompts", "methods", "peers"}
+    assert set(cat["methods"]["suffix"]["8"]) == RESULT_KEYS - {"method", "category", "concurrency"}
+    assert cat["peers"]["hf_transformers_fp32"] == {"decode_tok_s": 10.0, "ratio_plain": 5.0,
+                                                    "ratio_best": 10.0, "best_method": "suffix"}
+    peer = report["peers"]["hf_transformers_fp32"]
+    assert peer["decode_tok_s"] == 10.0 and peer["num_prompts"] == 4 and peer["kind"] == "hf"
+    assert set(peer["per_category"]) == {"summarization", "qa"}
+
+
+def test_report_text():
+    """The table has one row per result; the summary names each category's best method."""
+    report = synthetic_report()
+    table = markdown_table(report)
+    assert len(table.splitlines()) == 2 + len(report["results"])
+    assert "| summarization | suffix" in table and "2.00x" in table
+    assert "hf_transformers_fp32" in peers_table(report)
+    text = summary_text(report)
+    assert "summarization" in text and "suffix" in text and "NOT faster" in text
+
+
+def test_chart_and_json_written(tmp_path):
+    """The chart is a valid PNG and the JSON file names it; both are named by the run's date."""
+    report = synthetic_report()
+    files = write_outputs(report, str(tmp_path / "out"))
+    assert files["chart"].endswith("bench-20250501-102030.png")
+    with open(files["chart"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(files["json"]) as f:
+        assert json.load(f)["files"] == files
+
+
+# ---- interference ------------------------------------------------------------------------------
+
+def cpu(wall, own, busy=None, steal=0.0, load=None):
+    return CpuSample(wall, own, busy, None if busy is None else steal, load)
+
+
+@pytest.mark.parametrize("before, after, threads, flagged", [
+    # quiet machine: all busy time is ours
+    (cpu(0, 0, busy=100, load=2.0), cpu(10, 19.5, busy=119.5, load=2.0), 2, False),
+    # another process took a whole core for the whole measurement
+    (cpu(0, 0, busy=100), cpu(10, 10, busy=120), 2, True),
+    # hypervisor steal counts as others' time
+    (cpu(0, 0, busy=100, steal=0), cpu(10, 10, busy=115, steal=5), 1, True),
+    # a few ticks of others' time is noise
+    (cpu(0, 0, busy=100), cpu(10, 10, busy=110.03), 1, False),
+    # no /proc/stat: load above our threads counts as others
+    (cpu(0, 0, load=3.5), cpu(10, 19, load=3.6), 2, True),
+    (cpu(0, 0, load=1.0), cpu(10, 19, load=2.1), 2, False),
+])
+def test_interference_verdict(before, after, threads, flagged):
+    """Interference = others' average cores above the tolerance."""
+    usage = cpu_usage(before, after, threads)
+    assert usage.interference is flagged
+    assert bool(usage.reason) is flagged
+
+
+def test_interference_numbers():
+    """Own utilisation and others' cores come out of the counters as defined."""
+    usage = cpu_usage(cpu(0, 0, busy=100), cpu(10, 15, busy=125), threads=2)
+    assert usage.own_cpu_util == pytest.approx(0.75)
+    assert usage.other_cpu_cores == pytest.approx(1.0)
+
+
+def test_read_proc_stat(tmp_path):
+    """Busy = every state but idle and iowait; steal separately; seconds at the clock tick."""
+    path = tmp_path / "stat"
+    path.write_text("cpu  100 0 50 1000 20 0 10 40 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    hz = bench_timing.os.sysconf("SC_CLK_TCK")
+    assert read_proc_stat(str(path)) == pytest.approx((200 / hz, 40 / hz))
+    assert read_proc_stat(str(tmp_path / "missing")) is None
+
+
+def test_rerun_until_clean(monkeypatch):
+    """An interfered run is re-run; the first clean one is kept and warned about once."""
+    samples = iter([cpu(0, 0, busy=0), cpu(1, 1, busy=2),  # others used a core: rerun
+                    cpu(1, 1, busy=2), cpu(2, 2, busy=3)])  # clean
+    monkeypatch.setattr(bench_timing, "sample", lambda: next(samples))
+    warnings = []
+    calls = []
+    value, usage, reruns = run_with_reruns(lambda: calls.append(1) or len(calls), 1, 3, "t",
+                                           warn=warnings.append)
+    assert (value, reruns, usage.interference, len(warnings)) == (2, 1, False, 1)
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, kinds", [
+    ("hf", ["hf"]),
+    ("hf,openai=http://127.0.0.1:8080", ["hf", "openai"]),
+    ("openai=https://example.org/v1", ["openai"]),
+])
+def test_parse_compare(value, kinds):
+    assert [p.kind for p in parse_compare(value)] == kinds
+
+
+@pytest.mark.parametrize("value", ["vllm", "openai", "openai=localhost:8080", "hf=1", ","])
+def test_bad_compare_errors_clearly(value, capsys):
+    """A bad --compare exits 2 naming the flag, before any model is loaded."""
+    assert main(["bench", "--compare", value]) == 2
+    assert "--compare" in capsys.readouterr().err
+
+
+# ---- replay ------------------------------------------------------------------------------------
+
+def write_records(path):
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for i, cat in enumerate(["summarization", "summarization", "qa"]):
+            prompt = [rng.randrange(1000) for _ in range(200)]
+            # summaries copy spans of their prompt; answers are unpredictable
+            out = prompt[20:90] + prompt[120:160] if cat == "summarization" else \
+                [rng.randrange(1000) for _ in range(40)]
+            f.write(json.dumps({"id": f"r{i}", "category": cat, "prompt_ids": prompt,
+                                "output_ids": out}) + "\n")
+
+
+def last_json(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_replay_per_category(tmp_path, capsys):
+    """Replay measures each chain per category without a model: copies are drafted, noise not."""
+    records = tmp_path / "records.jsonl"
+    write_records(records)
+    argv = ["bench", "--replay", str(records), "--spec-type", "suffix;ngram_simple,suffix",
+            "--out-dir", str(tmp_path / "out")]
+    assert main(argv) == 0
+    report = last_json(capsys)
+    rows = {(r["category"], r["method"]): r for r in report["results"]}
+    assert set(rows) == {(c, m) for c in ("summarization", "qa") for m in ("suffix", "ngram_simple,suffix")}
+    assert rows[("summarization", "suffix")]["mean_accepted_length"] > 2
+    assert rows[("qa", "suffix")]["num_accepted_tokens"] == 0
+    assert rows[("summarization", "suffix")]["num_records"] == 2
+    assert report["files"]["json"].startswith(str(tmp_path / "out"))
+
+
+# ---- peers -------------------------------------------------------------------------------------
+
+class FakeServer(BaseHTTPRequestHandler):
+    """A loopback OpenAI-compatible server: 0.01 s per generated token, optional timings."""
+
+    with_timings = False
+
+    def do_GET(self):
+        self._send({"data": [{"id": "fake-model"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = body["max_tokens"]
+        threading.Event().wait(0.01 * n)
+        reply = {"choices": [{"text": "x" * n}], "usage": {"completion_tokens": n}}
+        if self.with_timings:
+            reply["timings"] = {"predicted_per_second": 50.0, "prompt_n": 10, "prompt_ms": 20.0}
+        self._send(reply)
+
+    def _send(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("with_timings, source", [(True, "server"), (False, "wall")])
+def test_openai_peer(with_timings, source):
+    """The server's own decode rate when it reports timings, else time(N) - time(1)."""
+    from speculant.bench_openai import run_openai_peer
+
+    handler = type("Handler", (FakeServer,), {"with_timings": with_timings})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        (peer,) = run_openai_peer(url, {"qa": ["hello"]}, max_tokens=11, repeats=1, timeout_s=10)
+    finally:
+        server.shutdown()
+    assert peer.detail == {"url": url, "model": "fake-model", "timings_source": source}
+    assert peer.generated_tokens == 11 and peer.decode_tokens == [10]
+    expected = 50.0 if with_timings else 100.0
+    assert peer.decode_tok_s == pytest.approx(expected, rel=0.5)
+
+
+# ---- the command, end to end -------------------------------------------------------------------
+
+def test_cli_end_to_end(tmp_path, capsys):
+    """One short prompt, plain and a chain: the last stdout line is the documented JSON, and the
+    recorded plain outputs replay."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "t1", "category": "qa", "mode": "chat",
+                                   "turns": ["Name three primary colors."]}) + "\n")
+    records = tmp_path / "rec.jsonl"
+    threads = torch.get_num_threads()
+    try:
+        code = main(["bench", "--prompts", str(prompts), "--max-tokens", "8", "--concurrency", "1",
+                     "--threads", "1", "--spec-type", "suffix", "--warmup-tokens", "2",
+                     "--record", str(records), "--out-dir", str(tmp_path / "out")])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    report = last_json(capsys)
+    assert set(report) == TOP_KEYS and report["methods"] == ["plain", "suffix"]
+    assert all(set(r) == RESULT_KEYS for r in report["results"])
+    assert report["categories"]["qa"]["methods"]["suffix"]["1"]["identical_to_plain"] == 1
+    assert report["files"]["chart"].endswith(".png")
+    (rec,) = [json.loads(line) for line in records.read_text().splitlines()]
+    assert set(rec) == {"id", "category", "prompt_ids", "output_ids"} and rec["id"] == "t1"
+    assert len(rec["output_ids"]) == report["results"][0]["generated_tokens"]
