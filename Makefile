@@ -27,8 +27,11 @@ test: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
 
+# All dev categories (3 prompts each): plain, the chain, HF transformers; ~25 min on 2 cores.
 bench: setup
-	$(BIN)/speculant bench --concurrency 1,8 --spec-type ngram_mod,suffix --compare hf
+	$(BIN)/speculant bench --prompts ../shared/data/prompts_dev.jsonl --limit 3 \
+		--spec-type ngram_mod,suffix --concurrency 1 --max-tokens 128 --repeats 2 \
+		--compare hf --peer-repeats 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info
