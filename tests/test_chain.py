@@ -109,3 +109,28 @@ def test_lifecycle_misuse_is_loud():
         chain.accept(0, 1)
     chain.end(0)
     chain.end(0)  # ending twice is harmless
+
+
+def test_confident_drafter_that_keeps_failing_backs_off():
+    """A drafter's own confidence is a prior; the sequence's record overrides it."""
+    class Confident(Fixed):
+        def draft(self, requests):
+            return {r.seq_id: Draft([7, 7, 7], token_probs=[1.0, 1.0, 1.0]) for r in requests}
+
+    chain = SpeculatorChain([Confident("sure", [])], probe_interval=100)
+    chain.begin(0, [1], ("sure",))
+    assert len(chain.draft([request()], cost_per_token=0.2)[0]) == 3  # trusted at first
+    for _ in range(30):
+        d = chain.draft([request()], cost_per_token=0.2).get(0)
+        if d is None:
+            break
+        chain.accept(0, 0)
+    assert chain.draft([request()], cost_per_token=0.2) == {}
+
+
+def test_expected_accepted_alone_maps_to_a_per_position_rate():
+    from speculant.spec.chain import _rate_for_expected
+
+    a = _rate_for_expected(2.0, 4)
+    assert abs(sum(a ** i for i in range(1, 5)) - 2.0) < 1e-6
+    assert _rate_for_expected(4.0, 4) > 0.999 and _rate_for_expected(0.0, 4) < 1e-6

@@ -67,11 +67,19 @@ class AcceptanceCounts:
 
 
 def conditional_rates(global_counts: AcceptanceCounts, seq_counts: AcceptanceCounts | None,
-                      length: int) -> list[float]:
-    """a_i for i < length: the speculator-wide rate, refined by this sequence's own history."""
+                      length: int, token_probs: list[float] | None = None) -> list[float]:
+    """a_i for i < length.
+
+    Prior: the speculator-wide rate, averaged with the drafter's own confidence in the token
+    (`token_probs`) where it reports one. Evidence: this sequence's own verifications, which
+    override the prior after a few drafts, so a confident drafter that keeps being wrong on
+    this text backs off, and one that keeps being right drafts long.
+    """
     rates = []
     for i in range(length):
-        g = global_counts.rate(i, PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT),
-                               PRIOR_ACCEPT + PRIOR_REJECT)
-        rates.append(seq_counts.rate(i, g, GLOBAL_WEIGHT) if seq_counts is not None else g)
+        prior = global_counts.rate(i, PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT),
+                                   PRIOR_ACCEPT + PRIOR_REJECT)
+        if token_probs is not None and i < len(token_probs):
+            prior = 0.5 * (prior + token_probs[i])
+        rates.append(seq_counts.rate(i, prior, GLOBAL_WEIGHT) if seq_counts is not None else prior)
     return rates

@@ -165,18 +165,16 @@ class SpeculatorChain:
             if length == 0 or length < n_min:
                 continue
             gain = net_gain(surv, length, cost_per_token)
-            if d.expected_accepted is not None:
-                # The drafter's own estimate and the track record, weighed equally.
-                gain = 0.5 * (gain + min(d.expected_accepted, length) - cost_per_token * length)
             if best is None or gain > best_gain:
                 best, best_gain = _trimmed(d, length), gain
         return best
 
     def _rates(self, state: _SeqState, d: Draft) -> list[float]:
-        rates = conditional_rates(self.counts[d.source], state.counts.get(d.source), len(d))
-        if d.token_probs is not None:
-            rates = [0.5 * (r + p) for r, p in zip(rates, d.token_probs)]
-        return rates
+        probs = d.token_probs
+        if probs is None and d.expected_accepted is not None and len(d):
+            # Only an overall estimate: the per-position rate a with sum_{i<=k} a^i close to it.
+            probs = [_rate_for_expected(d.expected_accepted, len(d))] * len(d)
+        return conditional_rates(self.counts[d.source], state.counts.get(d.source), len(d), probs)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         """The winning draft of `seq_id` had `num_accepted` tokens accepted."""
@@ -202,6 +200,19 @@ class SpeculatorChain:
 
     def _timed(self, name: str, call: str):
         return _CallTimer(self.stats[name], call)
+
+
+def _rate_for_expected(expected: float, length: int) -> float:
+    """The a in [0, 1] whose geometric series sum_{i=1..length} a^i equals `expected` (bisection)."""
+    target = min(max(expected, 0.0), float(length))
+    lo, hi = 0.0, 1.0
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        if sum(mid ** i for i in range(1, length + 1)) < target:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
 
 
 def _trimmed(d: Draft, length: int) -> Draft:
