@@ -227,6 +227,7 @@ class TrainableDraft:
     @classmethod
     def from_target(cls, weights: dict, target: ModelConfig, layer_ids: list[int]) -> "TrainableDraft":
         """Exact dequantization of the target's tensors (GGUF names) into draft tensors."""
+        from speculant.kernels import PackedLinear
         from speculant.loader import _hf_to_gguf_name
 
         config = dataclasses.replace(target, num_layers=len(layer_ids))
@@ -237,7 +238,7 @@ class TrainableDraft:
                 j, _, rest = key[len("model.layers."):].partition(".")
                 src = f"model.layers.{layer_ids[int(j)]}.{rest}"
             w = weights[_hf_to_gguf_name(src)]
-            w = w.dequantize() if hasattr(w, "dequantize") else w.float()
+            w = w.dequantize() if isinstance(w, PackedLinear) else w.float()
             params[key] = w.clone().requires_grad_(key != EMBED_KEY)
         return cls(config, params)
 
@@ -564,7 +565,7 @@ def hf_config(c: ModelConfig, tokenizer) -> dict:
 def recipe_command(cfg: DistillConfig) -> str:
     """The command line that reproduces this run."""
     parts = ["speculant distill"]
-    defaults = DistillConfig(out=cfg.out, restore_embeddings=True)
+    defaults = DistillConfig(out=cfg.out, restore_embeddings=True)  # (skips the prompts check)
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if f.name == "out" or (value != getattr(defaults, f.name) and f.name != "restore_embeddings"):

@@ -42,7 +42,7 @@ class _SeqState:
 
 
 class SpeculatorChain:
-    def __init__(self, speculators: list[Speculator], probe_interval: int = 8):
+    def __init__(self, speculators: list[Speculator], probe_interval: int = 16):
         names = [s.name for s in speculators]
         if len(set(names)) != len(names):
             raise ValueError(f"speculator listed twice in the chain: {names}")

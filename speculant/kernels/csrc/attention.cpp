@@ -8,8 +8,9 @@
 // a verification chunk, a slice of a prompt) x one KV head x the query heads of its group (or a
 // slice of them when there are too few units to share between threads). A unit computes the
 // scores of all its queries one 8-position chunk at a time, so each K row comes from memory once
-// and is reused from L1 by every query of the unit; its V rows come from memory once (prefetched
-// during the scores) and then from L2.
+// and is reused from L1 by every query of the unit; the V rows of a token are shared by its heads.
+// K and V rows are prefetched ahead: the cache is read from DRAM at every step (the weights
+// streamed in between evict it), and its block boundaries are jumps hardware prefetchers miss.
 //
 // Batch invariance: each (token, head) output is computed by one thread with one fixed sequence
 // of operations (scores in 8-position chunks of one FMA chain each, one max, exp and sum in
@@ -19,6 +20,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -29,7 +31,8 @@
 namespace speculant {
 namespace {
 
-constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scores (scratch) and work
+constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scratch and work
+constexpr int kHeadTile = 3;       // query heads sharing each loaded V row
 
 struct Problem {
   const float* q;          // [T, Hq, D]
@@ -39,7 +42,7 @@ struct Problem {
   const int32_t* seq;      // [T]
   const int32_t* pos;      // [T]
   float* out;              // [T, Hq, D]
-  int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;
 };
 
@@ -60,10 +63,7 @@ void gather_rows(const Problem& pb, const int32_t* table, int64_t kvh, int64_t L
   sc.v_rows.resize(L);
   const int64_t row_stride = pb.num_kv_heads * pb.head_dim;
   for (int64_t p0 = 0, b = 0; p0 < L; p0 += pb.block_size, ++b) {
-    const int64_t block = table[b];
-    TORCH_CHECK(block >= 0 && block < pb.num_blocks, "speculant::paged_attention: block id ",
-                block, " out of range [0, ", pb.num_blocks, ")");
-    const int64_t base = (block * pb.block_size * pb.num_kv_heads + kvh) * pb.head_dim;
+    const int64_t base = (table[b] * pb.block_size * pb.num_kv_heads + kvh) * pb.head_dim;
     for (int64_t r = 0; r < pb.block_size && p0 + r < L; ++r) {
       sc.k_rows[p0 + r] = pb.k + base + r * row_stride;
       sc.v_rows[p0 + r] = pb.v + base + r * row_stride;
@@ -93,8 +93,8 @@ void scores8(const float* q, const float* const* k, int64_t D, float scale, floa
   _mm256_storeu_ps(scores, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
 }
 
-// Scores [L8] -> probabilities exp(s - max) in place (positions >= L become exactly 0);
-// returns their sum.
+// Scores [L rounded up to 8] -> exp(s - max) in place (positions >= L become exactly 0); returns
+// their sum.
 float softmax_numerators(float* s, int64_t L) {
   const int64_t L8 = (L + 7) / 8 * 8;
   std::fill(s + L, s + L8, -std::numeric_limits<float>::infinity());
@@ -110,18 +110,19 @@ float softmax_numerators(float* s, int64_t L) {
   return hsum(vsum);
 }
 
-// For NQ queries over the same positions 0..L-1 (heads of one token) and features
-// [d0, d0 + 8 NV): out_q[d] = sum_p probs_q[p] * v_p[d] / denom_q, positions in ascending order.
-// Every 8-feature vector of every query is its own FMA chain, so the result is the same for any
-// NQ, NV or d0 slicing; sharing a loaded V row between queries only saves memory traffic.
+// For NQ queries over the same positions 0..n-1 (heads of one token) and features
+// [d0, d0 + 8 NV) of the rows (at `offset` in each row): o_q[d] = sum_p probs_q[p] * v_p[d],
+// positions in ascending order. Every 8-feature vector of every query is its own FMA chain, so
+// the result is the same for any NQ, NV or slicing; sharing a loaded V row between queries only
+// saves loads.
 template <int NQ, int NV>
-void values_tile(const float* const* v_rows, const float* const* probs, int64_t L, int64_t d0,
-                 const float* denoms, float* const* outs) {
+void values_tile(const float* const* rows, int64_t offset, const float* const* probs, int64_t n,
+                 int64_t d0, float* const* outs) {
   __m256 acc[NQ][NV];
   for (int j = 0; j < NQ; ++j)
     for (int i = 0; i < NV; ++i) acc[j][i] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < L; ++p) {
-    const float* v = v_rows[p] + d0;
+  for (int64_t p = 0; p < n; ++p) {
+    const float* v = rows[p] + offset + d0;
     for (int j = 0; j < NQ; ++j) {
       const __m256 w = _mm256_set1_ps(probs[j][p]);
       for (int i = 0; i < NV; ++i) {
@@ -129,26 +130,28 @@ void values_tile(const float* const* v_rows, const float* const* probs, int64_t 
       }
     }
   }
-  for (int j = 0; j < NQ; ++j) {
-    const __m256 den = _mm256_set1_ps(denoms[j]);
-    for (int i = 0; i < NV; ++i) {
-      _mm256_storeu_ps(outs[j] + d0 + 8 * i, _mm256_div_ps(acc[j][i], den));
-    }
-  }
+  for (int j = 0; j < NQ; ++j)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(outs[j] + d0 + 8 * i, acc[j][i]);
 }
 
-// All D features of NQ queries, in slices that keep NQ * NV accumulators within the 16 vector
-// registers (and at least 8 independent FMA chains, to hide their latency).
+// All D features of NQ queries, in slices whose NQ * NV accumulators, NV loaded V vectors and
+// the broadcast probability fit the 16 vector registers (a spilled accumulator would chain every
+// FMA through a store and a load), with at least 8 independent FMA chains to hide their latency.
 template <int NQ>
-void values(const float* const* v_rows, const float* const* probs, int64_t L, int64_t D,
-            const float* denoms, float* const* outs) {
-  constexpr int kWide = NQ == 1 ? 8 : 12 / NQ;  // vectors per slice: 8, 6 or 4
+void values(const float* const* rows, int64_t offset, const float* const* probs, int64_t n,
+            int64_t D, float* const* outs) {
+  constexpr int kWide = NQ == 1 ? 8 : NQ == 2 ? 4 : 3;  // vectors per slice
   int64_t d0 = 0;
   for (; d0 + 8 * kWide <= D; d0 += 8 * kWide) {
-    values_tile<NQ, kWide>(v_rows, probs, L, d0, denoms, outs);
+    values_tile<NQ, kWide>(rows, offset, probs, n, d0, outs);
   }
-  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 2>(v_rows, probs, L, d0, denoms, outs);
-  for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1>(v_rows, probs, L, d0, denoms, outs);
+  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 2>(rows, offset, probs, n, d0, outs);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1>(rows, offset, probs, n, d0, outs);
+}
+
+void divide(float* out, int64_t D, float denom) {
+  const __m256 den = _mm256_set1_ps(denom);
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(out + d), den));
 }
 
 void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
@@ -166,20 +169,20 @@ void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
     return ((u.t0 + j / heads) * Hq + u.kvh * group + u.h0 + j % heads) * D;
   };
   // 1) scores of every query, chunk by chunk (each chunk's K rows come from memory once);
-  //    chunks past a query's own length are skipped. K and V rows are prefetched two chunks
-  //    ahead: block boundaries are jumps the hardware prefetcher cannot predict.
-  constexpr int64_t kAhead = 16;
+  //    chunks past a query's own length are skipped
+  static const int64_t kAhead = getenv("KAHEAD") ? atoi(getenv("KAHEAD")) : 16;
+  static const bool kPrefV = getenv("PREFV") ? atoi(getenv("PREFV")) : 1;
   for (int64_t p = 0; p < std::min(kAhead, L_max); ++p) {
     prefetch_row(sc.k_rows[p], D);
-    prefetch_row(sc.v_rows[p], D);
+    if (kPrefV) prefetch_row(sc.v_rows[p], D);
   }
   for (int64_t p0 = 0; p0 < L_max; p0 += 8) {
     const float* k[8];
-    for (int j = 0; j < 8; ++j) {
-      k[j] = sc.k_rows[std::min(p0 + j, L_max - 1)];  // past the end: repeat, overwritten later
-      if (p0 + kAhead + j < L_max) {
-        prefetch_row(sc.k_rows[p0 + kAhead + j], D);
-        prefetch_row(sc.v_rows[p0 + kAhead + j], D);
+    for (int i = 0; i < 8; ++i) {
+      k[i] = sc.k_rows[std::min(p0 + i, L_max - 1)];  // past the end: repeat, overwritten later
+      if (p0 + kAhead + i < L_max) {
+        prefetch_row(sc.k_rows[p0 + kAhead + i], D);
+        if (kPrefV) prefetch_row(sc.v_rows[p0 + kAhead + i], D);
       }
     }
     for (int64_t j = 0; j < num_queries; ++j) {
@@ -189,15 +192,15 @@ void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
     }
   }
   // 2) per token: softmax of each head over the token's own positions, then the
-  //    probability-weighted values, heads in tiles of up to 3 that share each V row load
+  //    probability-weighted values, heads in tiles that share each V row load
   for (int64_t t = u.t0; t < u.t1; ++t) {
     const int64_t L = pb.pos[t] + 1;
     const int64_t j0 = (t - u.t0) * heads;
-    for (int64_t h0 = 0; h0 < heads; h0 += 3) {
-      const int nq = static_cast<int>(std::min<int64_t>(3, heads - h0));
-      const float* probs[3];
-      float denoms[3];
-      float* outs[3];
+    for (int64_t h0 = 0; h0 < heads; h0 += kHeadTile) {
+      const int nq = static_cast<int>(std::min<int64_t>(kHeadTile, heads - h0));
+      const float* probs[kHeadTile];
+      float denoms[kHeadTile];
+      float* outs[kHeadTile];
       for (int i = 0; i < nq; ++i) {
         float* s = scores + (j0 + h0 + i) * stride;
         denoms[i] = softmax_numerators(s, L);
@@ -206,18 +209,19 @@ void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
       }
       const float* const* v_rows = sc.v_rows.data();
       if (nq == 3) {
-        values<3>(v_rows, probs, L, D, denoms, outs);
+        values<3>(v_rows, 0, probs, L, D, outs);
       } else if (nq == 2) {
-        values<2>(v_rows, probs, L, D, denoms, outs);
+        values<2>(v_rows, 0, probs, L, D, outs);
       } else {
-        values<1>(v_rows, probs, L, D, denoms, outs);
+        values<1>(v_rows, 0, probs, L, D, outs);
       }
+      for (int i = 0; i < nq; ++i) divide(outs[i], D, denoms[i]);
     }
   }
 }
 
-// Splits the batch into units (see the top of the file), longest contexts first so that dynamic
-// claiming balances the threads.
+// Splits the batch into units (see the top of the file), latest tokens (longest contexts) first
+// so that dynamic claiming balances the threads.
 std::vector<Unit> make_units(const Problem& pb, int64_t T) {
   std::vector<Unit> runs;
   for (int64_t t0 = 0; t0 < T;) {
@@ -228,7 +232,8 @@ std::vector<Unit> make_units(const Problem& pb, int64_t T) {
   }
   const int64_t group = pb.num_heads / pb.num_kv_heads;
   // too few units for the threads (a single decode token): split the query heads of each group
-  const int64_t wanted = 2 * int64_t{pool_threads()};
+  static const int64_t kWantPer = getenv("WANTPER") ? atoi(getenv("WANTPER")) : 2;
+  const int64_t wanted = kWantPer * int64_t{pool_threads()};
   const int64_t per_kv = static_cast<int64_t>(runs.size()) * pb.num_kv_heads;
   const int64_t slices = std::min(group, std::max<int64_t>(1, (wanted + per_kv - 1) / per_kv));
   const int64_t slice = (group + slices - 1) / slices;
@@ -266,34 +271,37 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   check(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
             block_tables.dim() == 2, "expected q [T, Hq, D], caches [blocks, block_size, Hkv, D]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(2);
+  const int64_t Hkv = k_cache.size(2), num_blocks = k_cache.size(0);
   check(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   check(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
   check(token_seq.numel() == T && token_pos.numel() == T, "token_seq, token_pos must have T entries");
   const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t block_size = k_cache.size(1);
 
+  at::Tensor out = at::empty(q.sizes(), q.options());
   const Problem pb{q.const_data_ptr<float>(), k_cache.const_data_ptr<float>(),
                    v_cache.const_data_ptr<float>(), block_tables.const_data_ptr<int32_t>(),
                    token_seq.const_data_ptr<int32_t>(), token_pos.const_data_ptr<int32_t>(),
-                   nullptr, Hq, Hkv, D, k_cache.size(0), block_size, max_blocks,
+                   out.data_ptr<float>(), Hq, Hkv, D, block_size, max_blocks,
                    static_cast<float>(scale)};
   int64_t num_positions = 0;  // summed over tokens: the work, in units of one K and one V row
   for (int64_t t = 0; t < T; ++t) {
     check(pb.seq[t] >= 0 && pb.seq[t] < S, "token_seq entry out of range");
     check(pb.pos[t] >= 0 && pb.pos[t] < max_blocks * block_size, "token_pos beyond the block table");
+    const int32_t* table = pb.tables + pb.seq[t] * max_blocks;
+    for (int64_t b = 0; b <= pb.pos[t] / block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "speculant::paged_attention: block id ",
+                  table[b], " out of range [0, ", num_blocks, ")");
+    }
     num_positions += pb.pos[t] + 1;
   }
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  Problem problem = pb;
-  problem.out = out.data_ptr<float>();
-  const std::vector<Unit> units = make_units(problem, T);
+  const std::vector<Unit> units = make_units(pb, T);
   const int64_t num_units = static_cast<int64_t>(units.size());
   // under ~2K (position, head) pairs, a few microseconds of work, one thread does it all
   const int64_t chunk = num_positions * Hq < 2048 ? num_units : 1;
   parallel_for(num_units, chunk, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
-    for (int64_t i = begin; i < end; ++i) attend_unit(problem, units[i], scratch);
+    for (int64_t i = begin; i < end; ++i) attend_unit(pb, units[i], scratch);
   });
   return out;
 }

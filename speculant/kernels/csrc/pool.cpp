@@ -117,9 +117,13 @@ int pool_threads() { return std::max(1, at::get_num_threads()); }
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   const int64_t num_chunks = (n + chunk - 1) / chunk;
   const int threads = pool_threads();
+  if (threads == 1 || in_chunk || num_chunks >= int64_t{kClosed}) {
+    fn(ctx, 0, n);
+    return;
+  }
   Pool& p = *pool();
   std::unique_lock<std::mutex> lock(p.caller, std::try_to_lock);
-  if (threads == 1 || in_chunk || !lock.owns_lock() || num_chunks >= int64_t{kClosed}) {
+  if (!lock.owns_lock()) {
     fn(ctx, 0, n);
     return;
   }
