@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_engine_args(serve)
 
+    distill = sub.add_parser("distill", help="train a small draft model from the target's outputs")
+    from speculant.distill import add_distill_args
+
+    add_distill_args(distill)
+
     demo = sub.add_parser("demo", help="one prompt, plain vs speculative, side by side")
     from speculant.demo_cmd import add_demo_args
 
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             from speculant.server.serve_cmd import run_serve
 
             return run_serve(args)
+        if args.command == "distill":
+            from speculant.distill import run_distill
+
+            return run_distill(args)
         if args.command == "demo":
             from speculant.demo_cmd import run_demo
 

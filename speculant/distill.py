@@ -378,23 +378,24 @@ def train(draft: TrainableDraft, data, cfg: DistillConfig) -> dict:
     bar = tqdm(total=100, desc="distill", unit="%", file=sys.stderr, dynamic_ncols=True,
                bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}")
     t0, step, tokens, stopped, history = time.perf_counter(), 0, 0, "steps", []
+
+    def progress() -> float:  # 0 -> 1 towards whichever limit binds first
+        return max(step / cfg.steps if cfg.steps else 0.0, (time.perf_counter() - t0) / budget_s)
+
     try:
         while cfg.steps == 0 or step < cfg.steps:
             elapsed = time.perf_counter() - t0
-            progress = max(step / cfg.steps if cfg.steps else 0.0, elapsed / budget_s)
-            last_step_s = elapsed / step if step else 0.0
-            if elapsed + last_step_s > budget_s:
+            if step and elapsed * (step + 1) / step > budget_s:  # the next step would overrun
                 stopped = "time budget"
                 break
             for group in opt.param_groups:
-                group["lr"] = lr_at(cfg.lr, step, progress)
+                group["lr"] = lr_at(cfg.lr, step, progress())
             batch = [next(rows) for _ in range(cfg.batch_size)]
             kl, ce = _train_step(draft, opt, data, batch, kl_mask, ce_mask, next_ids, cfg.ce_weight)
             step += 1
             tokens += sum(int(b[0].shape[0]) for b in batch)
             history.append((kl, ce))
-            bar.n = min(100, round(100 * max(step / cfg.steps if cfg.steps else 0.0,
-                                             (time.perf_counter() - t0) / budget_s)))
+            bar.n = min(100, round(100 * progress()))
             bar.set_postfix_str(f"step {step} kl {kl:.3f} ce {ce:.3f}")
     except KeyboardInterrupt:
         stopped = "interrupted"

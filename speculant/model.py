@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from speculant.forward_batch import ForwardBatch
-from speculant.kernels import (PackedLinear, add_rms_norm, paged_attention, rms_norm,
-                               rope_cos_sin, rope_write_kv, silu_mul)
+from speculant.kernels import (PackedLinear, add_rms_norm, native_available, paged_attention,
+                               rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
+from speculant.kernels.decoder import decoder_stack, pack_stack
 from speculant.kv_cache import KVCache
 from speculant.model_config import ModelConfig
 
@@ -37,8 +38,16 @@ class LayerWeights:
     down: PackedLinear  # [hidden, intermediate]
 
 
+# How a forward runs its layers: "stack" = one native call for all layers (csrc/decoder.cpp),
+# "ops" = the same native kernels called one by one from Python, "torch" = the pure-PyTorch
+# reference maths; "auto" = "stack" where the native kernels run (CPU), else "torch".
+PATHS = ("auto", "stack", "ops", "torch")
+
+
 class Model:
-    def __init__(self, config: ModelConfig, weights: dict, device="cpu"):
+    def __init__(self, config: ModelConfig, weights: dict, device="cpu", *, path: str = "auto"):
+        if path not in PATHS:
+            raise ValueError(f"unknown model path {path!r}; expected one of {PATHS}")
         self.config = config
         self.device = torch.device(device)
         self.embed = weights["token_embd.weight"].to(self.device)
@@ -52,6 +61,14 @@ class Model:
                                 config.max_position_embeddings, self.device)
         self.rope_cos, self.rope_sin = cos, sin  # [max_positions, head_dim]
         self.attn_scale = config.head_dim ** -0.5
+        native = self.device.type == "cpu" and native_available()
+        if path == "auto":
+            path = "stack" if native else "torch"
+        if path in ("stack", "ops") and not native:
+            raise RuntimeError(f"model path {path!r} needs the native kernels on the CPU")
+        self.path = path
+        self._native = None if path != "torch" else False  # the kernels' `native=` argument
+        self._stack = pack_stack(self.layers) if path == "stack" else None
 
     def _layer(self, w: dict, i: int) -> LayerWeights:
         p = f"blk.{i}."
@@ -92,26 +109,43 @@ class Model:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         c = self.config
         eps = c.rms_norm_eps
-        num_tokens = batch.num_tokens
         token_pos = batch.positions.to(torch.int32)  # paged_attention's index type, cast once
         # the residual stream [T, hidden], updated in place by every layer (hence the clones below)
         h = self.embed.embed(batch.token_ids).contiguous()
-        x = rms_norm(h, self.layers[0].attn_norm, eps)  # [T, hidden], the input of a sublayer
-        wanted = set(batch.hidden_layers)
+        wanted = sorted(set(batch.hidden_layers))
+        if self._stack is not None:
+            x, states = decoder_stack(
+                h, self._stack, cache.k, cache.v, self.rope_cos, self.rope_sin, batch.positions,
+                batch.slot_mapping, batch.block_tables, batch.token_seq, token_pos,
+                self.final_norm, wanted, c.num_heads, eps, self.attn_scale)
+            hidden = dict(zip(wanted, states))
+        else:
+            x, hidden = self._layers(h, batch, cache, token_pos, set(wanted))
+        logits = self.lm_head(x.index_select(0, batch.logits_indices), native=self._native)
+        return ForwardOutput(logits=logits, hidden_states=hidden)
+
+    def _layers(self, h, batch: ForwardBatch, cache: KVCache, token_pos, wanted: set[int]):
+        # The layers op by op (what decoder_stack does natively): returns the final-normed
+        # hidden states [T, hidden] and the wanted layers' outputs.
+        c, eps, native = self.config, self.config.rms_norm_eps, self._native
+        num_tokens = h.shape[0]
+        x = rms_norm(h, self.layers[0].attn_norm, eps, native=native)  # [T, hidden]
         hidden: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = cache.k[i], cache.v[i]
             # 1) attention: q, k, v rotated; k, v written at their slots first, then attended over
-            q = rope_write_kv(layer.qkv(x), layer.qkv_bias, layer.q_norm, layer.k_norm, eps,
-                              self.rope_cos, self.rope_sin, batch.positions, k_cache, v_cache,
-                              batch.slot_mapping, c.num_heads)  # [T, heads, head_dim]
+            q = rope_write_kv(layer.qkv(x, native=native), layer.qkv_bias, layer.q_norm,
+                              layer.k_norm, eps, self.rope_cos, self.rope_sin, batch.positions,
+                              k_cache, v_cache, batch.slot_mapping, c.num_heads,
+                              native=native)  # [T, heads, head_dim]
             attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.token_seq,
-                                   token_pos, self.attn_scale)  # [T, heads, head_dim]
-            x = add_rms_norm(h, layer.attn_output(attn.view(num_tokens, c.q_size)),
-                             layer.ffn_norm, eps)
+                                   token_pos, self.attn_scale, native=native)
+            o = layer.attn_output(attn.view(num_tokens, c.q_size), native=native)
+            x = add_rms_norm(h, o, layer.ffn_norm, eps, native=native)
             # 2) MLP, its residual add fused with the next norm (next layer's, or the final one)
-            x = add_rms_norm(h, layer.down(silu_mul(layer.gate_up(x))), self.norms_after[i], eps)
+            down = layer.down(silu_mul(layer.gate_up(x, native=native), native=native),
+                              native=native)
+            x = add_rms_norm(h, down, self.norms_after[i], eps, native=native)
             if i in wanted:
                 hidden[i] = h.clone()
-        logits = self.lm_head(x.index_select(0, batch.logits_indices))  # [R, vocab]
-        return ForwardOutput(logits=logits, hidden_states=hidden)
+        return x, hidden

@@ -18,6 +18,12 @@ TORCH_LIBRARY(speculant, m) {
       "rope_write_kv(Tensor qkv, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");
+  m.def(
+      "decoder_stack(Tensor(a!) h, Tensor?[] weights, int[] qtypes, int[] out_features, "
+      "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor cos, Tensor sin, Tensor positions, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor token_seq, Tensor token_pos, "
+      "Tensor final_norm, int[] hidden_layers, int num_heads, float eps, float scale) "
+      "-> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {
@@ -27,4 +33,5 @@ TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("add_rms_norm", &speculant::add_rms_norm);
   m.impl("silu_mul", &speculant::silu_mul);
   m.impl("rope_write_kv", &speculant::rope_write_kv);
+  m.impl("decoder_stack", &speculant::decoder_stack);
 }

@@ -1,10 +1,13 @@
 // The operators registered as torch.ops.speculant.* (schemas in ops.cpp).
 #pragma once
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string_view>
+#include <tuple>
+#include <vector>
 
 namespace speculant {
 
@@ -38,5 +41,16 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
                          const at::Tensor& sin, const at::Tensor& positions,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, int64_t num_heads);
+
+// The decoder stack, every layer chained through the operators above (decoder.cpp): h [T, hidden]
+// (the embeddings) becomes the last layer's output in place; returns the final-normed hidden
+// states and a copy of h after each layer listed in hidden_layers.
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
+    const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
+    at::IntArrayRef qtypes, at::IntArrayRef out_features, at::TensorList k_caches,
+    at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& token_seq, const at::Tensor& token_pos, const at::Tensor& final_norm,
+    at::IntArrayRef hidden_layers, int64_t num_heads, double eps, double scale);
 
 }  // namespace speculant
