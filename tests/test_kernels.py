@@ -1,8 +1,10 @@
-"""Kernels: GGML block maths vs gguf-py, PackedLinear and paged_attention vs plain torch maths,
-bitwise batch invariance (what makes speculative output equal plain decoding), native == fallback.
+"""Kernels: GGML block maths vs gguf-py; PackedLinear, paged_attention and the fused row-wise
+operators (RMSNorm, RoPE + KV write, SiLU gate) vs plain torch maths; bitwise batch invariance
+(what makes speculative output equal plain decoding); native == fallback; the one-call decoder
+stack == the same kernels called op by op.
 
-Every linear / attention test runs on both paths: `native` (the C++ kernels) and `fallback`
-(pure PyTorch, selected per call with `native=False`, as on a GPU or with SPECULANT_NATIVE=0).
+Every operator test runs on both paths: `native` (the C++ kernels) and `fallback` (pure
+PyTorch, selected per call with `native=False`, as on a GPU or with SPECULANT_NATIVE=0).
 """
 from __future__ import annotations
 
@@ -14,7 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from speculant.kernels import PackedLinear, ggml_blocks, native_available, paged_attention
+from speculant.kernels import (PackedLinear, add_rms_norm, ggml_blocks, native_available,
+                               paged_attention, rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
+from speculant.forward_batch import SeqChunk
+from speculant.kernels.rope import apply_rope
+from speculant.kernels.rowwise import rms_norm_reference
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 ALL_TYPES = QUANT_TYPES + ["F16", "F32"]
@@ -167,20 +173,20 @@ def test_concat_rejects_mismatched_parts():
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES)
-def test_embed_returns_exact_rows(qtype):
+def test_embed_returns_exact_rows(qtype, native):
     """embed(ids) == dequantize()[ids], bit for bit, for ids in any group / lane."""
     w = PackedLinear.from_float(random_weight(203, 64), qtype)
-    ids = torch.tensor([0, 7, 8, 202, 5, 5, 100])
-    assert torch.equal(bits(w.embed(ids)), bits(w.dequantize()[ids]))
+    ids = torch.tensor([0, 7, 8, 202, 5, 5, 100, 9, 10, 11, 12, 13])  # more than a group
+    assert torch.equal(bits(w.embed(ids, native=native)), bits(w.dequantize()[ids]))
 
 
-def test_embed_real_token_table(smollm2):
+def test_embed_real_token_table(smollm2, native):
     """Rows of SmolLM2's Q8_0 token table match gguf-py's dequantization."""
     t = smollm2["token_embd.weight"]
     table = PackedLinear.from_gguf("Q8_0", t.data, t.data.shape[0], int(t.shape[0]))
     ids = torch.tensor([0, 1, 2, 49151, 12345, 2])
     ref = gguf.quants.dequantize(t.data[ids.numpy()], t.tensor_type)
-    assert torch.equal(bits(table.embed(ids)), bits(torch.from_numpy(ref.copy())))
+    assert torch.equal(bits(table.embed(ids, native=native)), bits(torch.from_numpy(ref.copy())))
 
 
 def test_real_ffn_down_linear(smollm2, native):
@@ -263,6 +269,50 @@ def test_paged_attention_batch_invariance():
     assert torch.equal(bits(part), bits(full[subset]))
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 2), (4, 4), (14, 2)])
+def test_paged_attention_verification_chunk(num_heads, num_kv_heads, native):
+    """A 19-token verification chunk (several work units) plus a decode token of another
+    sequence, GQA groups of 3, 4, 1 and 7 heads: within 1e-5 of fp64 maths."""
+    g = torch.Generator().manual_seed(5)
+    head_dim, block_size, num_blocks = 64, 16, 24
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    blocks = torch.randperm(num_blocks, generator=g)
+    tables = torch.stack([blocks[:12], blocks[12:]]).to(torch.int32)  # 192 positions each
+    token_seq = torch.tensor([0] * 19 + [1], dtype=torch.int32)
+    token_pos = torch.tensor(list(range(150, 169)) + [40], dtype=torch.int32)
+    q = torch.randn(20, num_heads, head_dim, generator=g)
+    args = (q, k_cache, v_cache, tables, token_seq, token_pos, head_dim ** -0.5)
+    out = paged_attention(*args, native=native)
+    assert (out.double() - reference_attention(*args)).abs().max().item() < 1e-5
+
+
+def test_paged_attention_batch_and_thread_invariance():
+    """Each token of a verification chunk is bit-identical alone, in the chunk, and whatever the
+    number of threads (work units are claimed dynamically)."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    g = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(16, 16, 3, 64, generator=g)
+    v_cache = torch.randn(16, 16, 3, 64, generator=g)
+    tables = torch.randperm(16, generator=g).to(torch.int32)[None]
+    pos = torch.arange(200, 217, dtype=torch.int32)
+    seq = torch.zeros(17, dtype=torch.int32)
+    q = torch.randn(17, 9, 64, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(paged_attention(q, k_cache, v_cache, tables, seq, pos, 0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(bits(outs[0]), bits(outs[1]))
+    for t in (0, 7, 8, 16):
+        alone = paged_attention(q[t:t + 1], k_cache, v_cache, tables, seq[:1], pos[t:t + 1], 0.125)
+        assert torch.equal(bits(alone), bits(outs[0][t:t + 1])), f"token {t}"
+
+
 def test_native_and_fallback_agree():
     """The two paths compute the same maths: linear within 1e-6, attention within 1e-6."""
     if not native_available():
@@ -279,14 +329,23 @@ def test_native_ops_pass_opcheck():
     """Schemas and fake (meta) implementations are consistent, so torch.compile can trace them."""
     if not native_available():
         pytest.skip("native kernels unavailable here")
+    ops = torch.ops.speculant
     w = PackedLinear.from_float(random_weight(24, 64), "Q4_1")
-    torch.library.opcheck(torch.ops.speculant.packed_linear.default,
-                          (torch.randn(3, 64), w.data, w.scales, w.mins, "Q4_1", 24),
-                          test_utils=("test_schema", "test_faketensor"))
     q, k_cache, v_cache, tables, seq, pos, scale = make_paged_batch()
-    torch.library.opcheck(torch.ops.speculant.paged_attention.default,
-                          (q, k_cache, v_cache, tables, seq, pos, scale),
-                          test_utils=("test_schema", "test_faketensor"))
+    qkv, cos, sin, _, slots = make_rope_batch()
+    cases = [
+        (ops.packed_linear.default, (torch.randn(3, 64), w.data, w.scales, w.mins, "Q4_1", 24)),
+        (ops.packed_embed.default, (torch.tensor([3, 17]), w.data, w.scales, w.mins, "Q4_1", 24)),
+        (ops.paged_attention.default, (q, k_cache, v_cache, tables, seq, pos, scale)),
+        (ops.rms_norm.default, (torch.randn(3, 64), torch.randn(64), 1e-5)),
+        (ops.add_rms_norm.default, (torch.randn(3, 64), torch.randn(3, 64), torch.randn(64), 1e-5)),
+        (ops.silu_mul.default, (torch.randn(3, 64),)),
+        (ops.rope_write_kv.default, (qkv, None, None, None, 1e-6, cos, sin, pos[:4].long(),
+                                     torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16), slots,
+                                     4)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.slow
@@ -303,3 +362,241 @@ def test_native_ops_compile_fullgraph():
     x = torch.randn(6, 576)
     eager, compiled = step(x, args[0]), torch.compile(step, fullgraph=True)(x, args[0])
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(eager, compiled))
+
+
+# ---- row-wise operators: RMSNorm, residual add + RMSNorm, SiLU gate -----------------------------
+
+def rows_alone_and_batched(fn, *batched):
+    """fn applied to rows one at a time and to all rows at once."""
+    alone = torch.cat([fn(*(t[i:i + 1] for t in batched)) for i in range(batched[0].shape[0])])
+    return alone, fn(*batched)
+
+
+@pytest.mark.parametrize("dim", [576, 64, 100])  # 100: the 8-wide tail and the scalar tail
+def test_rms_norm_matches_reference_and_is_batch_invariant(dim, native):
+    """Within 1e-6 of HF's formula in fp64; a row's bits do not depend on the other rows."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(37, dim, generator=g) * 3, torch.randn(dim, generator=g)
+    out = rms_norm(x, w, 1e-5, native=native)
+    ref = rms_norm_reference(x.double(), w.double(), 1e-5)
+    assert rel_err(out, ref) < 1e-6
+    alone, batched = rows_alone_and_batched(lambda t: rms_norm(t, w, 1e-5, native=native), x)
+    assert torch.equal(bits(alone), bits(batched))
+
+
+def test_add_rms_norm_updates_residual_in_place(native):
+    """h += delta exactly (in place), and the result is rms_norm of the new h."""
+    g = torch.Generator().manual_seed(8)
+    h, delta, w = (torch.randn(5, 576, generator=g), torch.randn(5, 576, generator=g),
+                   torch.randn(576, generator=g))
+    expected_h = h + delta
+    out = add_rms_norm(h, delta, w, 1e-6, native=native)
+    assert torch.equal(bits(h), bits(expected_h))
+    assert rel_err(out, rms_norm_reference(expected_h.double(), w.double(), 1e-6)) < 1e-6
+
+
+def test_add_rms_norm_batch_invariance():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    g = torch.Generator().manual_seed(9)
+    h, delta, w = torch.randn(17, 576, generator=g), torch.randn(17, 576, generator=g), torch.randn(576)
+    h_alone = h.clone()
+    alone = torch.cat([add_rms_norm(h_alone[i:i + 1], delta[i:i + 1], w, 1e-6)
+                       for i in range(17)])
+    batched = add_rms_norm(h, delta, w, 1e-6)
+    assert torch.equal(bits(alone), bits(batched)) and torch.equal(bits(h_alone), bits(h))
+
+
+@pytest.mark.parametrize("width", [1536, 20])  # 20: a width that is not a multiple of 8
+def test_silu_mul_matches_torch_and_is_batch_invariant(width, native):
+    """silu(gate) * up within 1e-6 (relative) of torch, including large |gate| (no overflow)."""
+    g = torch.Generator().manual_seed(10)
+    gate_up = torch.randn(9, 2 * width, generator=g) * 4
+    gate_up[0, :4] = torch.tensor([100.0, -100.0, 0.0, -0.0])
+    out = silu_mul(gate_up, native=native)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert rel_err(out, torch.nn.functional.silu(gate) * up) < 1e-6
+    alone, batched = rows_alone_and_batched(lambda t: silu_mul(t, native=native), gate_up)
+    assert torch.equal(bits(alone), bits(batched))
+
+
+# ---- RoPE fused with the KV cache write ----------------------------------------------------------
+
+def make_rope_batch(num_heads=4, num_kv_heads=2, head_dim=16, seed=11):
+    """Four tokens at scattered positions and slots of an 8-block x 4-row cache."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(4, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    cos, sin = rope_cos_sin(head_dim, 10000.0, 512)
+    positions = torch.tensor([0, 17, 300, 511])
+    slots = torch.tensor([5, 31, 0, 12])
+    return qkv, cos, sin, positions, slots
+
+
+def rope_reference(qkv, bias, q_norm, k_norm, eps, cos, sin, positions, num_heads, num_kv_heads,
+                   head_dim):
+    """The model's previous maths, op by op: bias, per-head norms, HF rotation."""
+    x = qkv if bias is None else qkv + bias
+    q, k, v = x.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+    q, k = q.reshape(-1, num_heads, head_dim), k.reshape(-1, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = rms_norm_reference(q, q_norm, eps), rms_norm_reference(k, k_norm, eps)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return apply_rope(q, c, s), apply_rope(k, c, s), v.reshape(-1, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm"])  # Llama, Qwen2, Qwen3
+def test_rope_write_kv_matches_reference(variant, native):
+    """q returned, k and v written at their slots (others untouched): bit-identical to the op by
+    op reference without norms, within 1e-6 with them."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    qkv, cos, sin, positions, slots = make_rope_batch()
+    g = torch.Generator().manual_seed(12)
+    bias = torch.randn(qkv.shape[1], generator=g) if variant == "bias" else None
+    q_norm = torch.randn(head_dim, generator=g) if variant == "qk_norm" else None
+    k_norm = torch.randn(head_dim, generator=g) if variant == "qk_norm" else None
+    k_cache = torch.full((8, 4, num_kv_heads, head_dim), 7.0)
+    v_cache = torch.full((8, 4, num_kv_heads, head_dim), 7.0)
+    q = rope_write_kv(qkv, bias, q_norm, k_norm, 1e-6, cos, sin, positions, k_cache, v_cache,
+                      slots, num_heads, native=native)
+    ref_q, ref_k, ref_v = rope_reference(qkv, bias, q_norm, k_norm, 1e-6, cos, sin, positions,
+                                         num_heads, num_kv_heads, head_dim)
+    k_rows = k_cache.view(-1, num_kv_heads, head_dim)[slots]
+    v_rows = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    if variant == "qk_norm":
+        assert rel_err(q, ref_q) < 1e-6 and rel_err(k_rows, ref_k) < 1e-6
+    else:
+        assert torch.equal(bits(q), bits(ref_q)) and torch.equal(bits(k_rows), bits(ref_k))
+    assert torch.equal(bits(v_rows), bits(ref_v))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_cache.view(32, -1)[untouched] == 7.0).all()
+    assert (v_cache.view(32, -1)[untouched] == 7.0).all()
+
+
+def test_rope_write_kv_batch_invariance():
+    """Each token's q and cache rows are bit-identical written alone or with the batch."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    qkv, cos, sin, positions, slots = make_rope_batch()
+    norm = torch.randn(16)
+    caches = [torch.zeros(8, 4, 2, 16) for _ in range(4)]
+    batched = rope_write_kv(qkv, None, norm, norm, 1e-6, cos, sin, positions, caches[0],
+                            caches[1], slots, 4)
+    alone = torch.cat([rope_write_kv(qkv[i:i + 1], None, norm, norm, 1e-6, cos, sin,
+                                     positions[i:i + 1], caches[2], caches[3], slots[i:i + 1], 4)
+                       for i in range(4)])
+    assert torch.equal(bits(alone), bits(batched))
+    assert torch.equal(bits(caches[0]), bits(caches[2])) and torch.equal(bits(caches[1]), bits(caches[3]))
+
+
+def test_rope_write_kv_rejects_out_of_range_slots():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    qkv, cos, sin, positions, slots = make_rope_batch()
+    cache = torch.zeros(8, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
+        rope_write_kv(qkv, None, None, None, 1e-6, cos, sin, positions, cache, cache.clone(),
+                      torch.tensor([0, 1, 2, 32]), 4)
+
+
+# ---- the decoder stack in one native call --------------------------------------------------------
+
+def tiny_model(qtype: str, variant: str = "plain", num_heads: int = 6, seed: int = 13):
+    """A random 2-layer model with GGUF-named weights: (ModelConfig, weights)."""
+    from speculant.model_config import ModelConfig
+
+    arch = {"plain": "llama", "bias": "qwen2", "qk_norm": "qwen3"}[variant]
+    cfg = ModelConfig(architecture=arch, num_layers=2, hidden_size=64, intermediate_size=96,
+                      num_heads=num_heads, num_kv_heads=2, head_dim=16, vocab_size=96,
+                      max_position_embeddings=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+                      tie_word_embeddings=True, qkv_bias=variant == "bias",
+                      qk_norm=variant == "qk_norm")
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(out, inp):
+        return PackedLinear.from_float(torch.randn(out, inp, generator=g) * 0.2, qtype)
+
+    def vec(n):
+        return 1 + 0.1 * torch.randn(n, generator=g)
+
+    q_size, kv_size = num_heads * 16, 2 * 16
+    w = {"token_embd.weight": mat(96, 64), "output_norm.weight": vec(64)}
+    for i in range(2):
+        p = f"blk.{i}."
+        w |= {p + "attn_norm.weight": vec(64), p + "ffn_norm.weight": vec(64),
+              p + "attn_q.weight": mat(q_size, 64), p + "attn_k.weight": mat(kv_size, 64),
+              p + "attn_v.weight": mat(kv_size, 64), p + "attn_output.weight": mat(64, q_size),
+              p + "ffn_gate.weight": mat(96, 64), p + "ffn_up.weight": mat(96, 64),
+              p + "ffn_down.weight": mat(64, 96)}
+        if variant == "bias":
+            w |= {p + f"attn_{x}.bias": torch.randn(n, generator=g)
+                  for x, n in (("q", q_size), ("k", kv_size), ("v", kv_size))}
+        if variant == "qk_norm":
+            w |= {p + "attn_q_norm.weight": vec(16), p + "attn_k_norm.weight": vec(16)}
+    return cfg, w
+
+
+def run_two_steps(model, chunks_per_step):
+    """Prefill then decode/verify through the model; returns both steps' outputs."""
+    from speculant.forward_batch import build_forward_batch
+
+    cache = model.new_kv_cache(num_blocks=32, block_size=4)
+    outputs = []
+    for chunks in chunks_per_step:
+        for c in chunks:
+            if not cache.has(c.seq_id):
+                cache.allocate(c.seq_id)
+        outputs.append(model.forward(build_forward_batch(cache, chunks, hidden_layers=(0,)), cache))
+        for c in chunks:
+            cache.set_length(c.seq_id, c.start_pos + len(c.token_ids))
+    return outputs
+
+
+TWO_SEQUENCES = [
+    [SeqChunk(0, 0, list(range(1, 30)), num_logits=2), SeqChunk(1, 0, [5, 6, 7], num_logits=1)],
+    [SeqChunk(0, 29, [40, 41, 42, 43, 44], num_logits=5), SeqChunk(1, 3, [8], num_logits=1)],
+]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "F32"])
+@pytest.mark.parametrize("variant, num_heads", [("plain", 6), ("bias", 8), ("qk_norm", 2)])
+def test_decoder_stack_equals_native_op_by_op(qtype, variant, num_heads):
+    """One native call for all layers == the same kernels called from Python, bit for bit
+    (logits and the requested layers' hidden states), through a prefill and a verification."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    from speculant.model import Model
+
+    cfg, w = tiny_model(qtype, variant, num_heads)
+    stack = run_two_steps(Model(cfg, w, path="stack"), TWO_SEQUENCES)
+    ops = run_two_steps(Model(cfg, w, path="ops"), TWO_SEQUENCES)
+    for a, b in zip(stack, ops):
+        assert torch.equal(bits(a.logits), bits(b.logits))
+        assert torch.equal(bits(a.hidden_states[0]), bits(b.hidden_states[0]))
+
+
+@pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm"])
+def test_native_model_matches_torch_reference(variant):
+    """With F32 weights (no activation rounding), native and pure-PyTorch logits agree to 1e-5."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    from speculant.model import Model
+
+    cfg, w = tiny_model("F32", variant)
+    native = run_two_steps(Model(cfg, w), TWO_SEQUENCES)
+    reference = run_two_steps(Model(cfg, w, path="torch"), TWO_SEQUENCES)
+    for a, b in zip(native, reference):
+        assert (a.logits - b.logits).abs().max().item() < 1e-5
+
+
+def test_model_logits_do_not_depend_on_the_batch():
+    """Sequence 0's logits are bit-identical run alone or next to sequence 1 (Q4_1 weights)."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    from speculant.model import Model
+
+    model = Model(*tiny_model("Q4_1"))
+    together = run_two_steps(model, TWO_SEQUENCES)
+    alone = run_two_steps(model, [[step[0]] for step in TWO_SEQUENCES])
+    for a, b in zip(alone, together):
+        assert torch.equal(bits(a.logits), bits(b.logits[: a.logits.shape[0]]))

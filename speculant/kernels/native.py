@@ -119,6 +119,11 @@ def _register_fakes() -> None:
     def _(x, weight, scales, mins, qtype, out_features):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("speculant::packed_embed")
+    def _(ids, weight, scales, mins, qtype, out_features):
+        in_features = weight.shape[1] * (1 if qtype in ("F32", "F16") else 32)
+        return weight.new_empty(ids.shape[0], in_features, dtype=torch.float32)
+
     @torch.library.register_fake("speculant::paged_attention")
     def _(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale):
         return torch.empty_like(q)

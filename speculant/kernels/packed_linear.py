@@ -127,17 +127,30 @@ class PackedLinear:
         """[out, in] float32, bit-identical to gguf.quants.dequantize of the original blocks."""
         return self._dequantize_groups(0, self.data.shape[0])[: self.out_features]
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` ([n] int64) of the matrix, exactly dequantized: [n, in] float32."""
+    def embed(self, ids: torch.Tensor, *, native: bool | None = None) -> torch.Tensor:
+        """Rows `ids` ([n] int64) of the matrix, exactly dequantized: [n, in] float32 (natively
+        by csrc/embed.cpp when it can run, as for __call__)."""
+        op = self._native_embed_op(native)
+        if op is not None:
+            return op(ids, self.data, self.scales, self.mins, self.qtype, self.out_features)
+        # The ids' groups are gathered first, then each row picked from its group with the two
+        # index tensors side by side: indexing the whole table at (group, ..., row) with a slice
+        # between them makes torch copy all of it (~4 ms for a 30 MB token table).
         group, row = ids // ROWS_PER_GROUP, ids % ROWS_PER_GROUP
+        n = len(ids)
+        picked = torch.arange(n, device=ids.device)
         if self.qtype in _FLOAT_DTYPES:
-            return self.data[group, :, row].float()
+            return self.data.index_select(0, group).transpose(1, 2)[picked, row].float()  # [n, in]
         nb = self.scales.shape[1]
-        # data [G, nb, chunks, 8, 4] indexed at (group, :, :, row, :) -> [n, nb, chunks, 4]
-        qs = self.data.view(self.data.shape[0], nb, -1, ROWS_PER_GROUP, 4)[group, :, :, row, :]
-        mins = None if self.mins is None else self.mins[group, :, row]
-        blocks = GGMLBlocks(self.qtype, qs.reshape(len(ids), nb, -1), self.scales[group, :, row],
-                            mins)
+        # data [n, nb, chunks, 8, 4] -> [n, 8, nb, chunks, 4] -> row `row` of each: [n, nb, chunks, 4]
+        qs = self.data.index_select(0, group).view(n, nb, -1, ROWS_PER_GROUP, 4)
+        qs = qs.permute(0, 3, 1, 2, 4)[picked, row]
+
+        def fields(f):  # [G, nb, 8] -> [n, nb]
+            return f.index_select(0, group).transpose(1, 2)[picked, row]
+
+        mins = None if self.mins is None else fields(self.mins)
+        blocks = GGMLBlocks(self.qtype, qs.reshape(n, nb, -1), fields(self.scales), mins)
         return ggml_blocks.dequantize(blocks)
 
     def to(self, device) -> PackedLinear:
@@ -168,6 +181,11 @@ class PackedLinear:
             raise RuntimeError(f"native kernels requested but unavailable for {self} "
                                "(SPECULANT_NATIVE=0, CPU without AVX2/FMA/F16C, build failure, "
                                "or weights not on the CPU)")
+        return None
+
+    def _native_embed_op(self, native: bool | None):
+        if self._native_op(native) is not None:
+            return torch.ops.speculant.packed_embed.default
         return None
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:

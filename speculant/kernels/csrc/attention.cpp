@@ -20,9 +20,9 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
 #include <vector>
+#include <cstdlib>
 
 #include "ops.h"
 #include "pool.h"
@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scratch and work
 constexpr int kHeadTile = 3;       // query heads sharing each loaded V row
+constexpr int64_t kPrefetchAhead = 16;  // positions between a row's prefetch and its use
 
 struct Problem {
   const float* q;          // [T, Hq, D]
@@ -169,20 +170,19 @@ void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
     return ((u.t0 + j / heads) * Hq + u.kvh * group + u.h0 + j % heads) * D;
   };
   // 1) scores of every query, chunk by chunk (each chunk's K rows come from memory once);
-  //    chunks past a query's own length are skipped
-  static const int64_t kAhead = getenv("KAHEAD") ? atoi(getenv("KAHEAD")) : 16;
-  static const bool kPrefV = getenv("PREFV") ? atoi(getenv("PREFV")) : 1;
-  for (int64_t p = 0; p < std::min(kAhead, L_max); ++p) {
+  //    chunks past a query's own length are skipped. The V rows are prefetched along with the
+  //    K rows, so the value sums find them in cache.
+  for (int64_t p = 0; p < std::min(kPrefetchAhead, L_max); ++p) {
     prefetch_row(sc.k_rows[p], D);
-    if (kPrefV) prefetch_row(sc.v_rows[p], D);
+    prefetch_row(sc.v_rows[p], D);
   }
   for (int64_t p0 = 0; p0 < L_max; p0 += 8) {
     const float* k[8];
     for (int i = 0; i < 8; ++i) {
       k[i] = sc.k_rows[std::min(p0 + i, L_max - 1)];  // past the end: repeat, overwritten later
-      if (p0 + kAhead + i < L_max) {
-        prefetch_row(sc.k_rows[p0 + kAhead + i], D);
-        if (kPrefV) prefetch_row(sc.v_rows[p0 + kAhead + i], D);
+      if (p0 + kPrefetchAhead + i < L_max) {
+        prefetch_row(sc.k_rows[p0 + kPrefetchAhead + i], D);
+        prefetch_row(sc.v_rows[p0 + kPrefetchAhead + i], D);
       }
     }
     for (int64_t j = 0; j < num_queries; ++j) {
@@ -298,7 +298,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   const std::vector<Unit> units = make_units(pb, T);
   const int64_t num_units = static_cast<int64_t>(units.size());
   // under ~2K (position, head) pairs, a few microseconds of work, one thread does it all
-  const int64_t chunk = num_positions * Hq < 2048 ? num_units : 1;
+  static const int64_t kMinWork = getenv("MINWORK") ? atoi(getenv("MINWORK")) : 2048;
+  const int64_t chunk = num_positions * Hq < kMinWork ? num_units : 1;
   parallel_for(num_units, chunk, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     for (int64_t i = begin; i < end; ++i) attend_unit(pb, units[i], scratch);

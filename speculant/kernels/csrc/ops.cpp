@@ -9,6 +9,9 @@ TORCH_LIBRARY(speculant, m) {
       "packed_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? mins, str qtype, "
       "int out_features) -> Tensor");
   m.def(
+      "packed_embed(Tensor ids, Tensor weight, Tensor? scales, Tensor? mins, str qtype, "
+      "int out_features) -> Tensor");
+  m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor token_seq, Tensor token_pos, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -28,6 +31,7 @@ TORCH_LIBRARY(speculant, m) {
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("packed_linear", &speculant::packed_linear);
+  m.impl("packed_embed", &speculant::packed_embed);
   m.impl("paged_attention", &speculant::paged_attention);
   m.impl("rms_norm", &speculant::rms_norm);
   m.impl("add_rms_norm", &speculant::add_rms_norm);

@@ -17,6 +17,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& mins, std::string_view qtype,
                          int64_t out_features);
 
+// Rows `ids` of a packed weight, exactly dequantized: [n, in_features] f32 (embed.cpp).
+at::Tensor packed_embed(const at::Tensor& ids, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& scales,
+                        const std::optional<at::Tensor>& mins, std::string_view qtype,
+                        int64_t out_features);
+
 // Causal attention of each query token over its own sequence's paged K/V (see attention.cpp).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,

@@ -14,6 +14,7 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <exception>
 #include <mutex>
@@ -115,6 +116,11 @@ void start_workers(Pool& p, int wanted) {
 int pool_threads() { return std::max(1, at::get_num_threads()); }
 
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
+  static const bool use_omp = getenv("POOL_OMP") != nullptr;
+  if (use_omp) {
+    at::parallel_for(0, n, chunk, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
+    return;
+  }
   const int64_t num_chunks = (n + chunk - 1) / chunk;
   const int threads = pool_threads();
   if (threads == 1 || in_chunk || num_chunks >= int64_t{kClosed}) {
