@@ -14,7 +14,7 @@ import torch
 from speculant.forward_batch import ForwardBatch
 from speculant.kernels import (PackedLinear, add_rms_norm, native_available, paged_attention,
                                rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
-from speculant.kernels.decoder import decoder_stack, pack_stack
+from speculant.kernels.decoder import RegisteredStack, decoder_stack
 from speculant.kv_cache import KVCache
 from speculant.model_config import ModelConfig
 
@@ -68,7 +68,7 @@ class Model:
             raise RuntimeError(f"model path {path!r} needs the native kernels on the CPU")
         self.path = path
         self._native = None if path != "torch" else False  # the kernels' `native=` argument
-        self._stack = pack_stack(self.layers) if path == "stack" else None
+        self._stack = RegisteredStack(self.layers) if path == "stack" else None
 
     def _layer(self, w: dict, i: int) -> LayerWeights:
         p = f"blk.{i}."

@@ -350,17 +350,27 @@ def test_native_ops_pass_opcheck():
 
 @pytest.mark.slow
 def test_native_ops_compile_fullgraph():
-    """torch.compile traces PackedLinear and paged_attention without graph breaks, same bits."""
+    """torch.compile traces the native operators (the mutating ones included) without graph
+    breaks, and gets the same bits."""
     if not native_available():
         pytest.skip("native kernels unavailable here")
     w = PackedLinear.from_float(random_weight(72, 576), "Q4_1")
+    norm = torch.randn(576)
     args = make_paged_batch()
+    qkv, cos, sin, positions, slots = make_rope_batch()
 
-    def step(x, q):
-        return w(x).relu(), paged_attention(q, *args[1:])
+    def step(x, q, h, k_cache, v_cache):
+        y = silu_mul(w(add_rms_norm(h, rms_norm(x, norm, 1e-6), norm, 1e-6)))
+        q_rot = rope_write_kv(qkv, None, None, None, 1e-6, cos, sin, positions, k_cache, v_cache,
+                              slots, 4)
+        return y, paged_attention(q, *args[1:]), q_rot
 
-    x = torch.randn(6, 576)
-    eager, compiled = step(x, args[0]), torch.compile(step, fullgraph=True)(x, args[0])
+    def run(fn):
+        x, h = torch.randn(6, 576, generator=torch.Generator().manual_seed(1)), torch.ones(6, 576)
+        caches = torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16)
+        return [*fn(x, args[0], h, *caches), h, *caches]
+
+    eager, compiled = run(step), run(torch.compile(step, fullgraph=True))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(eager, compiled))
 
 
@@ -399,7 +409,8 @@ def test_add_rms_norm_batch_invariance():
     if not native_available():
         pytest.skip("native kernels unavailable here")
     g = torch.Generator().manual_seed(9)
-    h, delta, w = torch.randn(17, 576, generator=g), torch.randn(17, 576, generator=g), torch.randn(576)
+    h, delta = torch.randn(17, 576, generator=g), torch.randn(17, 576, generator=g)
+    w = torch.randn(576, generator=g)
     h_alone = h.clone()
     alone = torch.cat([add_rms_norm(h_alone[i:i + 1], delta[i:i + 1], w, 1e-6)
                        for i in range(17)])
@@ -486,7 +497,8 @@ def test_rope_write_kv_batch_invariance():
                                      positions[i:i + 1], caches[2], caches[3], slots[i:i + 1], 4)
                        for i in range(4)])
     assert torch.equal(bits(alone), bits(batched))
-    assert torch.equal(bits(caches[0]), bits(caches[2])) and torch.equal(bits(caches[1]), bits(caches[3]))
+    assert torch.equal(bits(caches[0]), bits(caches[2]))
+    assert torch.equal(bits(caches[1]), bits(caches[3]))
 
 
 def test_rope_write_kv_rejects_out_of_range_slots():

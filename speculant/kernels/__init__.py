@@ -4,6 +4,11 @@ a decoder layer (RMSNorm, RoPE with the KV cache write, SiLU gate).
 Each operation has a native CPU path (C++/AVX2 in csrc/, built on first use by `native.py`;
 batch-invariant: a row's result never depends on what else is in the batch) and a pure-PyTorch
 fallback used on other devices, with `SPECULANT_NATIVE=0`, or where the extension can't be built.
+`decoder.py` runs a model's whole layer stack in one native call.
+
+Threads: the native kernels use torch.get_num_threads() threads, from their own work-sharing pool
+when OMP_WAIT_POLICY=passive is set before torch is imported (robust when other processes share
+the cores), else from torch's OpenMP threads; SPECULANT_POOL=1 / 0 forces either (csrc/pool.h).
 """
 import importlib
 

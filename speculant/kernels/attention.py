@@ -27,8 +27,9 @@ def paged_attention(
     h // (Hq // Hkv) (grouped-query attention).
 
     Runs natively (csrc/attention.cpp) when the tensors are on the CPU, head_dim is a multiple of
-    8 and `native_available()` (the index tensors must then be int32, as documented above); each (token, head) output then depends only on its own query and
-    its sequence's cache, bit for bit, whatever else is in the batch. `native=False` forces the
+    8 and `native_available()` (the index tensors must then be int32, as documented above); each
+    (token, head) output then depends only on its own query and its sequence's cache, bit for
+    bit, whatever else is in the batch or however many threads run it. `native=False` forces the
     PyTorch fallback, which runs on any device and is exact to fp32 rounding but, as its
     reductions are torch's, not guaranteed bit-identical across batch compositions.
     """

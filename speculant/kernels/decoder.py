@@ -8,7 +8,7 @@ step). Native only: callers keep the op-by-op path as the reference and the fall
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
 
 import torch
 
@@ -17,34 +17,34 @@ from speculant.kernels.packed_linear import QTYPES, PackedLinear
 LINEARS = ("qkv", "attn_output", "gate_up", "down")  # per layer, in decoder_stack's order
 
 
-@dataclass(slots=True)
-class PackedStack:
-    """The layer weights as decoder_stack takes them, built once per model."""
+class RegisteredStack:
+    """A model's layer weights registered with the native decoder_stack, which then names them
+    by id: passing ~500 tensors from Python at every step would cost ~100 us. The registry holds
+    references to the tensors until the object is garbage-collected."""
 
-    weights: list[torch.Tensor | None]  # 17 per layer, in the order of csrc/decoder.cpp's Slot
-    qtypes: list[int]  # 4 per layer (LINEARS), each an index into QTYPES
-    out_features: list[int]  # [4], out_features of LINEARS (the same in every layer)
+    __slots__ = ("id", "__weakref__")
 
+    def __init__(self, layers):
+        """`layers`: per-layer weights with the attributes of model.LayerWeights."""
+        weights: list[torch.Tensor | None] = []  # 17 per layer, csrc/decoder.cpp's Slot order
+        qtypes: list[int] = []  # 4 per layer (LINEARS), each an index into QTYPES
+        for layer in layers:
+            def packed(m: PackedLinear) -> list:
+                qtypes.append(QTYPES.index(m.qtype))
+                return [m.data, m.scales, m.mins]
 
-def pack_stack(layers) -> PackedStack:
-    """From per-layer weights with the attributes of model.LayerWeights."""
-    weights: list[torch.Tensor | None] = []
-    qtypes: list[int] = []
-    for layer in layers:
-        def packed(m: PackedLinear) -> list:
-            qtypes.append(QTYPES.index(m.qtype))
-            return [m.data, m.scales, m.mins]
-
-        weights += [layer.attn_norm, *packed(layer.qkv), layer.qkv_bias, layer.q_norm,
-                    layer.k_norm, *packed(layer.attn_output), layer.ffn_norm,
-                    *packed(layer.gate_up), *packed(layer.down)]
-    first = layers[0]
-    return PackedStack(weights, qtypes, [getattr(first, m).out_features for m in LINEARS])
+            weights += [layer.attn_norm, *packed(layer.qkv), layer.qkv_bias, layer.q_norm,
+                        layer.k_norm, *packed(layer.attn_output), layer.ffn_norm,
+                        *packed(layer.gate_up), *packed(layer.down)]
+        out_features = [getattr(layers[0], m).out_features for m in LINEARS]
+        self.id = torch.ops.speculant.decoder_stack_register.default(weights, qtypes,
+                                                                    out_features)
+        weakref.finalize(self, torch.ops.speculant.decoder_stack_release.default, self.id)
 
 
 def decoder_stack(
     h: torch.Tensor,  # [T, hidden] float32 embeddings; becomes the last layer's output
-    stack: PackedStack,
+    stack: RegisteredStack,
     k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
     v_caches: list[torch.Tensor],
     cos: torch.Tensor,  # [max_positions, head_dim]
@@ -63,6 +63,5 @@ def decoder_stack(
     """Runs every layer; returns final_norm(h) [T, hidden] and, for each of hidden_layers, a
     copy of h [T, hidden] after that layer."""
     return torch.ops.speculant.decoder_stack.default(
-        h, stack.weights, stack.qtypes, stack.out_features, k_caches, v_caches, cos, sin,
-        positions, slot_mapping, block_tables, token_seq, token_pos, final_norm, hidden_layers,
-        num_heads, eps, scale)
+        h, stack.id, k_caches, v_caches, cos, sin, positions, slot_mapping, block_tables,
+        token_seq, token_pos, final_norm, hidden_layers, num_heads, eps, scale)

@@ -146,9 +146,8 @@ def _register_fakes() -> None:
         return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
 
     @torch.library.register_fake("speculant::decoder_stack")
-    def _(h, weights, qtypes, out_features, k_caches, v_caches, cos, sin, positions,
-          slot_mapping, block_tables, token_seq, token_pos, final_norm, hidden_layers, num_heads,
-          eps, scale):
+    def _(h, stack, k_caches, v_caches, cos, sin, positions, slot_mapping, block_tables,
+          token_seq, token_pos, final_norm, hidden_layers, num_heads, eps, scale):
         return torch.empty_like(h), [torch.empty_like(h) for _ in hidden_layers]
 
 

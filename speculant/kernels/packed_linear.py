@@ -142,7 +142,7 @@ class PackedLinear:
         if self.qtype in _FLOAT_DTYPES:
             return self.data.index_select(0, group).transpose(1, 2)[picked, row].float()  # [n, in]
         nb = self.scales.shape[1]
-        # data [n, nb, chunks, 8, 4] -> [n, 8, nb, chunks, 4] -> row `row` of each: [n, nb, chunks, 4]
+        # data [n, nb, chunks, 8, 4] -> [n, 8, nb, chunks, 4] -> each id's row: [n, nb, chunks, 4]
         qs = self.data.index_select(0, group).view(n, nb, -1, ROWS_PER_GROUP, 4)
         qs = qs.permute(0, 3, 1, 2, 4)[picked, row]
 

@@ -46,7 +46,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 
 def silu_mul(gate_up: torch.Tensor, *, native: bool | None = None) -> torch.Tensor:
-    """gate_up [T, 2F] (gate | up, as the fused projection returns them) -> silu(gate) * up [T, F]."""
+    """gate_up [T, 2F] (gate | up, as the fused projection returns them) -> silu(gate) * up
+    [T, F]."""
     if use_native(native, gate_up):
         return torch.ops.speculant.silu_mul.default(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

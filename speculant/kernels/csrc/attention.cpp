@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <limits>
 #include <vector>
-#include <cstdlib>
 
 #include "ops.h"
 #include "pool.h"
@@ -34,6 +33,8 @@ namespace {
 constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scratch and work
 constexpr int kHeadTile = 3;       // query heads sharing each loaded V row
 constexpr int64_t kPrefetchAhead = 16;  // positions between a row's prefetch and its use
+// Below this many (position, query head) pairs, ~5 us of work, one thread does it all.
+constexpr int64_t kMinParallelWork = 512;
 
 struct Problem {
   const float* q;          // [T, Hq, D]
@@ -72,8 +73,11 @@ void gather_rows(const Problem& pb, const int32_t* table, int64_t kvh, int64_t L
   }
 }
 
+// Prefetches a row of D floats, one 64-byte line at a time.
 inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+  for (int64_t d = 0; d < D; d += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+  }
 }
 
 // scores[j] = scale * q . k[j] for j < 8. Each is one FMA chain over D (a multiple of 8)
@@ -112,18 +116,17 @@ float softmax_numerators(float* s, int64_t L) {
 }
 
 // For NQ queries over the same positions 0..n-1 (heads of one token) and features
-// [d0, d0 + 8 NV) of the rows (at `offset` in each row): o_q[d] = sum_p probs_q[p] * v_p[d],
-// positions in ascending order. Every 8-feature vector of every query is its own FMA chain, so
-// the result is the same for any NQ, NV or slicing; sharing a loaded V row between queries only
-// saves loads.
+// [d0, d0 + 8 NV): out_q[d] = sum_p probs_q[p] * v_p[d], positions in ascending order. Every
+// 8-feature vector of every query is its own FMA chain, so the result is the same for any NQ, NV
+// or slicing; sharing each loaded V row between queries only saves loads.
 template <int NQ, int NV>
-void values_tile(const float* const* rows, int64_t offset, const float* const* probs, int64_t n,
-                 int64_t d0, float* const* outs) {
+void values_tile(const float* const* v_rows, const float* const* probs, int64_t n, int64_t d0,
+                 float* const* outs) {
   __m256 acc[NQ][NV];
   for (int j = 0; j < NQ; ++j)
     for (int i = 0; i < NV; ++i) acc[j][i] = _mm256_setzero_ps();
   for (int64_t p = 0; p < n; ++p) {
-    const float* v = rows[p] + offset + d0;
+    const float* v = v_rows[p] + d0;
     for (int j = 0; j < NQ; ++j) {
       const __m256 w = _mm256_set1_ps(probs[j][p]);
       for (int i = 0; i < NV; ++i) {
@@ -139,20 +142,20 @@ void values_tile(const float* const* rows, int64_t offset, const float* const* p
 // the broadcast probability fit the 16 vector registers (a spilled accumulator would chain every
 // FMA through a store and a load), with at least 8 independent FMA chains to hide their latency.
 template <int NQ>
-void values(const float* const* rows, int64_t offset, const float* const* probs, int64_t n,
-            int64_t D, float* const* outs) {
+void values(const float* const* v_rows, const float* const* probs, int64_t n, int64_t D,
+            float* const* outs) {
   constexpr int kWide = NQ == 1 ? 8 : NQ == 2 ? 4 : 3;  // vectors per slice
   int64_t d0 = 0;
-  for (; d0 + 8 * kWide <= D; d0 += 8 * kWide) {
-    values_tile<NQ, kWide>(rows, offset, probs, n, d0, outs);
-  }
-  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 2>(rows, offset, probs, n, d0, outs);
-  for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1>(rows, offset, probs, n, d0, outs);
+  for (; d0 + 8 * kWide <= D; d0 += 8 * kWide) values_tile<NQ, kWide>(v_rows, probs, n, d0, outs);
+  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 2>(v_rows, probs, n, d0, outs);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1>(v_rows, probs, n, d0, outs);
 }
 
 void divide(float* out, int64_t D, float denom) {
   const __m256 den = _mm256_set1_ps(denom);
-  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(out + d), den));
+  for (int64_t d = 0; d < D; d += 8) {
+    _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(out + d), den));
+  }
 }
 
 void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
@@ -209,11 +212,11 @@ void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
       }
       const float* const* v_rows = sc.v_rows.data();
       if (nq == 3) {
-        values<3>(v_rows, 0, probs, L, D, outs);
+        values<3>(v_rows, probs, L, D, outs);
       } else if (nq == 2) {
-        values<2>(v_rows, 0, probs, L, D, outs);
+        values<2>(v_rows, probs, L, D, outs);
       } else {
-        values<1>(v_rows, 0, probs, L, D, outs);
+        values<1>(v_rows, probs, L, D, outs);
       }
       for (int i = 0; i < nq; ++i) divide(outs[i], D, denoms[i]);
     }
@@ -222,7 +225,7 @@ void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
 
 // Splits the batch into units (see the top of the file), latest tokens (longest contexts) first
 // so that dynamic claiming balances the threads.
-std::vector<Unit> make_units(const Problem& pb, int64_t T) {
+std::vector<Unit> make_units(const Problem& pb, int64_t T, int64_t threads) {
   std::vector<Unit> runs;
   for (int64_t t0 = 0; t0 < T;) {
     int64_t t1 = t0 + 1;
@@ -232,8 +235,7 @@ std::vector<Unit> make_units(const Problem& pb, int64_t T) {
   }
   const int64_t group = pb.num_heads / pb.num_kv_heads;
   // too few units for the threads (a single decode token): split the query heads of each group
-  static const int64_t kWantPer = getenv("WANTPER") ? atoi(getenv("WANTPER")) : 2;
-  const int64_t wanted = kWantPer * int64_t{pool_threads()};
+  const int64_t wanted = 2 * threads;
   const int64_t per_kv = static_cast<int64_t>(runs.size()) * pb.num_kv_heads;
   const int64_t slices = std::min(group, std::max<int64_t>(1, (wanted + per_kv - 1) / per_kv));
   const int64_t slice = (group + slices - 1) / slices;
@@ -267,14 +269,16 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   check(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
             v_cache.scalar_type() == at::kFloat, "q and the caches must be float32");
   check(block_tables.scalar_type() == at::kInt && token_seq.scalar_type() == at::kInt &&
-            token_pos.scalar_type() == at::kInt, "block_tables, token_seq, token_pos must be int32");
+            token_pos.scalar_type() == at::kInt,
+        "block_tables, token_seq, token_pos must be int32");
   check(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
             block_tables.dim() == 2, "expected q [T, Hq, D], caches [blocks, block_size, Hkv, D]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(2), num_blocks = k_cache.size(0);
   check(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   check(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
-  check(token_seq.numel() == T && token_pos.numel() == T, "token_seq, token_pos must have T entries");
+  check(token_seq.numel() == T && token_pos.numel() == T,
+        "token_seq, token_pos must have T entries");
   const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t block_size = k_cache.size(1);
 
@@ -287,7 +291,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   int64_t num_positions = 0;  // summed over tokens: the work, in units of one K and one V row
   for (int64_t t = 0; t < T; ++t) {
     check(pb.seq[t] >= 0 && pb.seq[t] < S, "token_seq entry out of range");
-    check(pb.pos[t] >= 0 && pb.pos[t] < max_blocks * block_size, "token_pos beyond the block table");
+    check(pb.pos[t] >= 0 && pb.pos[t] < max_blocks * block_size,
+          "token_pos beyond the block table");
     const int32_t* table = pb.tables + pb.seq[t] * max_blocks;
     for (int64_t b = 0; b <= pb.pos[t] / block_size; ++b) {
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "speculant::paged_attention: block id ",
@@ -295,12 +300,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     }
     num_positions += pb.pos[t] + 1;
   }
-  const std::vector<Unit> units = make_units(pb, T);
+  const bool parallel = num_positions * Hq >= kMinParallelWork;
+  const std::vector<Unit> units = make_units(pb, T, parallel ? pool_threads() : 1);
   const int64_t num_units = static_cast<int64_t>(units.size());
-  // under ~2K (position, head) pairs, a few microseconds of work, one thread does it all
-  static const int64_t kMinWork = getenv("MINWORK") ? atoi(getenv("MINWORK")) : 2048;
-  const int64_t chunk = num_positions * Hq < kMinWork ? num_units : 1;
-  parallel_for(num_units, chunk, [&](int64_t begin, int64_t end) {
+  parallel_for(num_units, parallel ? 1 : num_units, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     for (int64_t i = begin; i < end; ++i) attend_unit(pb, units[i], scratch);
   });

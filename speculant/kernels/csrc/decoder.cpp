@@ -1,89 +1,135 @@
 // The whole decoder stack of a Llama-family model in one call: the same native kernels the
 // model's op-by-op path calls, chained here instead of from Python. The per-call cost of a custom
 // operator from Python (~3 us of argument parsing and dispatch, plus the Python around it) times
-// nine operators per layer was ~1 ms per decode step; here it is paid once.
+// nine operators per layer was ~1 ms per decode step; here it is paid once. The weights are
+// registered once per model (decoder_stack_register) and named by an id at each call.
 //
 // Every step is the corresponding operator's own function, in the same order, so the result is
 // bit-identical to the op-by-op native path (and batch-invariant for the same reasons).
-#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <memory>
+#include <mutex>
 #include <string_view>
+#include <unordered_map>
+#include <vector>
 
 #include "ops.h"
 
 namespace speculant {
 namespace {
 
-// qtype codes of decoder_stack's `qtypes`, in the order of packed_linear.QTYPES.
+// qtype codes of decoder_stack_register's `qtypes`, in the order of packed_linear.QTYPES.
 constexpr std::string_view kQTypes[] = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"};
 constexpr int64_t kNumQTypes = sizeof(kQTypes) / sizeof(kQTypes[0]);
 
-// Entries of `weights` per layer, in this order (see model.py, which builds the list).
+// Entries of `weights` per layer, in this order (kernels/decoder.py builds the list).
 enum Slot : int64_t {
   kAttnNorm, kQkv, kQkvScales, kQkvMins, kQkvBias, kQNorm, kKNorm,
   kOut, kOutScales, kOutMins, kFfnNorm,
   kGateUp, kGateUpScales, kGateUpMins, kDown, kDownScales, kDownMins,
   kSlotsPerLayer
 };
+constexpr Slot kLinears[] = {kQkv, kOut, kGateUp, kDown};  // data slots, in qtypes' order
 
-struct Weights {
-  const c10::List<std::optional<at::Tensor>>& list;
-  int64_t layer;
+// A model's weights, registered once: converting a list of ~500 tensors from Python costs
+// ~100 us, too much to pay at every step.
+struct Stack {
+  std::vector<std::optional<at::Tensor>> weights;  // [num_layers * kSlotsPerLayer]
+  std::vector<std::string_view> qtypes;            // [num_layers * 4]
+  std::vector<int64_t> out_features;               // [4]
+  int64_t num_layers;
 
-  std::optional<at::Tensor> opt(Slot s) const { return list.get(layer * kSlotsPerLayer + s); }
-  at::Tensor get(Slot s) const {
-    std::optional<at::Tensor> t = opt(s);
-    TORCH_CHECK(t.has_value(), "speculant::decoder_stack: layer ", layer, " is missing weight ",
-                static_cast<int64_t>(s));
-    return *t;
+  const at::Tensor& get(int64_t layer, Slot s) const {
+    return *weights[layer * kSlotsPerLayer + s];
+  }
+  const std::optional<at::Tensor>& opt(int64_t layer, Slot s) const {
+    return weights[layer * kSlotsPerLayer + s];
+  }
+  at::Tensor linear(const at::Tensor& x, int64_t layer, int which) const {
+    const Slot data = kLinears[which];
+    return packed_linear(x, get(layer, data), opt(layer, Slot(data + 1)),
+                         opt(layer, Slot(data + 2)), qtypes[layer * 4 + which],
+                         out_features[which]);
   }
 };
 
-at::Tensor linear(const at::Tensor& x, const Weights& w, Slot data, at::IntArrayRef qtypes,
-                  int64_t which, int64_t out_features) {
-  const int64_t code = qtypes[w.layer * 4 + which];
-  TORCH_CHECK(code >= 0 && code < kNumQTypes, "speculant::decoder_stack: bad qtype code ", code);
-  return packed_linear(x, w.get(data), w.opt(Slot(data + 1)), w.opt(Slot(data + 2)),
-                       kQTypes[code], out_features);
+std::mutex registry_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const Stack>> registry;
+int64_t next_stack_id = 1;
+
+std::shared_ptr<const Stack> find_stack(int64_t id) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  const auto it = registry.find(id);
+  TORCH_CHECK(it != registry.end(), "speculant::decoder_stack: no registered stack ", id);
+  return it->second;
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
-    const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
-    at::IntArrayRef qtypes, at::IntArrayRef out_features, at::TensorList k_caches,
-    at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& token_seq, const at::Tensor& token_pos, const at::Tensor& final_norm,
-    at::IntArrayRef hidden_layers, int64_t num_heads, double eps, double scale) {
-  const int64_t num_layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kSlotsPerLayer &&
-                  static_cast<int64_t>(v_caches.size()) == num_layers &&
-                  static_cast<int64_t>(qtypes.size()) == num_layers * 4 &&
+int64_t decoder_stack_register(const c10::List<std::optional<at::Tensor>>& weights,
+                               at::IntArrayRef qtypes, at::IntArrayRef out_features) {
+  const int64_t num_layers = static_cast<int64_t>(qtypes.size()) / 4;
+  TORCH_CHECK(num_layers > 0 && static_cast<int64_t>(qtypes.size()) == num_layers * 4 &&
+                  static_cast<int64_t>(weights.size()) == num_layers * kSlotsPerLayer &&
                   out_features.size() == 4,
-              "speculant::decoder_stack: expected ", kSlotsPerLayer, " weights and 4 qtypes per "
-              "layer, one K and one V cache per layer, and 4 out_features");
+              "speculant::decoder_stack_register: expected ", kSlotsPerLayer, " weights and 4 "
+              "qtypes per layer, and 4 out_features");
+  auto stack = std::make_shared<Stack>();
+  stack->num_layers = num_layers;
+  stack->out_features.assign(out_features.begin(), out_features.end());
+  for (int64_t code : qtypes) {
+    TORCH_CHECK(code >= 0 && code < kNumQTypes, "speculant::decoder_stack_register: bad qtype ",
+                code);
+    stack->qtypes.push_back(kQTypes[code]);
+  }
+  for (int64_t i = 0; i < num_layers * kSlotsPerLayer; ++i) {
+    stack->weights.push_back(weights.get(i));
+  }
+  for (int64_t l = 0; l < num_layers; ++l) {
+    for (Slot s : {kAttnNorm, kQkv, kOut, kFfnNorm, kGateUp, kDown}) {
+      TORCH_CHECK(stack->opt(l, s).has_value(), "speculant::decoder_stack_register: layer ", l,
+                  " lacks required weight ", static_cast<int64_t>(s));
+    }
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.emplace(next_stack_id, std::move(stack));
+  return next_stack_id++;
+}
+
+void decoder_stack_release(int64_t stack) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.erase(stack);
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
+    const at::Tensor& h, int64_t stack_id, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
+    const at::Tensor& token_pos, const at::Tensor& final_norm, at::IntArrayRef hidden_layers,
+    int64_t num_heads, double eps, double scale) {
+  const std::shared_ptr<const Stack> stack = find_stack(stack_id);
+  const Stack& w = *stack;
+  const int64_t num_layers = w.num_layers;
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == num_layers &&
+                  static_cast<int64_t>(v_caches.size()) == num_layers,
+              "speculant::decoder_stack: expected one K and one V cache per layer (", num_layers,
+              ")");
   const int64_t T = h.size(0);
   std::vector<at::Tensor> hidden;
-  at::Tensor x = rms_norm(h, Weights{weights, 0}.get(kAttnNorm), eps);
+  at::Tensor x = rms_norm(h, w.get(0, kAttnNorm), eps);
   for (int64_t l = 0; l < num_layers; ++l) {
-    const Weights w{weights, l};
     // 1) attention: q, k, v rotated; k, v written at their slots first, then attended over
-    const at::Tensor qkv = linear(x, w, kQkv, qtypes, 0, out_features[0]);
-    const at::Tensor q = rope_write_kv(qkv, w.opt(kQkvBias), w.opt(kQNorm), w.opt(kKNorm), eps,
-                                       cos, sin, positions, k_caches[l], v_caches[l],
+    const at::Tensor qkv = w.linear(x, l, 0);
+    const at::Tensor q = rope_write_kv(qkv, w.opt(l, kQkvBias), w.opt(l, kQNorm), w.opt(l, kKNorm),
+                                       eps, cos, sin, positions, k_caches[l], v_caches[l],
                                        slot_mapping, num_heads);
     const at::Tensor attn = paged_attention(q, k_caches[l], v_caches[l], block_tables, token_seq,
                                             token_pos, scale);
-    const at::Tensor o = linear(attn.view({T, -1}), w, kOut, qtypes, 1, out_features[1]);
-    x = add_rms_norm(h, o, w.get(kFfnNorm), eps);
+    x = add_rms_norm(h, w.linear(attn.view({T, -1}), l, 1), w.get(l, kFfnNorm), eps);
     // 2) MLP, its residual add fused with the next norm (next layer's, or the final one)
-    const at::Tensor gate_up = linear(x, w, kGateUp, qtypes, 2, out_features[2]);
-    const at::Tensor down = linear(silu_mul(gate_up), w, kDown, qtypes, 3, out_features[3]);
-    const at::Tensor next_norm =
-        l + 1 < num_layers ? Weights{weights, l + 1}.get(kAttnNorm) : final_norm;
-    x = add_rms_norm(h, down, next_norm, eps);
+    const at::Tensor down = w.linear(silu_mul(w.linear(x, l, 2)), l, 3);
+    x = add_rms_norm(h, down, l + 1 < num_layers ? w.get(l + 1, kAttnNorm) : final_norm, eps);
     for (int64_t wanted : hidden_layers) {
       if (wanted == l) hidden.push_back(h.clone());
     }

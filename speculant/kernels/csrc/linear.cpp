@@ -310,7 +310,9 @@ void run(const Kernel& kernel, int64_t M, int64_t N, int64_t group_bytes, float*
     const int64_t min_chunk = std::max<int64_t>(1, (32 << 10) / (group_bytes * (m1 - m0)));
     parallel_for(G, balanced_chunk(G, min_chunk), [&](int64_t g0, int64_t g1) {
       int64_t g = g0;
-      for (; g + kGroupTile <= g1; g += kGroupTile) run_groups<kGroupTile>(kernel, g, m0, m1, N, out);
+      for (; g + kGroupTile <= g1; g += kGroupTile) {
+        run_groups<kGroupTile>(kernel, g, m0, m1, N, out);
+      }
       for (; g < g1; ++g) run_groups<1>(kernel, g, m0, m1, N, out);
     });
   }

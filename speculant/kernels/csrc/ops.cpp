@@ -22,11 +22,13 @@ TORCH_LIBRARY(speculant, m) {
       "Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");
   m.def(
-      "decoder_stack(Tensor(a!) h, Tensor?[] weights, int[] qtypes, int[] out_features, "
-      "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor cos, Tensor sin, Tensor positions, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor token_seq, Tensor token_pos, "
-      "Tensor final_norm, int[] hidden_layers, int num_heads, float eps, float scale) "
-      "-> (Tensor, Tensor[])");
+      "decoder_stack_register(Tensor?[] weights, int[] qtypes, int[] out_features) -> int");
+  m.def("decoder_stack_release(int stack) -> ()", &speculant::decoder_stack_release);
+  m.def(
+      "decoder_stack(Tensor(a!) h, int stack, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
+      "Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor token_seq, Tensor token_pos, Tensor final_norm, int[] hidden_layers, "
+      "int num_heads, float eps, float scale) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {
@@ -37,5 +39,6 @@ TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("add_rms_norm", &speculant::add_rms_norm);
   m.impl("silu_mul", &speculant::silu_mul);
   m.impl("rope_write_kv", &speculant::rope_write_kv);
+  m.impl("decoder_stack_register", &speculant::decoder_stack_register);
   m.impl("decoder_stack", &speculant::decoder_stack);
 }

@@ -48,15 +48,20 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& slot_mapping, int64_t num_heads);
 
-// The decoder stack, every layer chained through the operators above (decoder.cpp): h [T, hidden]
-// (the embeddings) becomes the last layer's output in place; returns the final-normed hidden
-// states and a copy of h after each layer listed in hidden_layers.
+// Registers a model's layer weights for decoder_stack (decoder.cpp): 17 per layer (see Slot),
+// 4 qtype codes per layer, the 4 linear layers' out_features. Returns the stack's id.
+int64_t decoder_stack_register(const c10::List<std::optional<at::Tensor>>& weights,
+                               at::IntArrayRef qtypes, at::IntArrayRef out_features);
+void decoder_stack_release(int64_t stack);
+
+// The decoder stack, every layer chained through the operators above: h [T, hidden] (the
+// embeddings) becomes the last layer's output in place; returns the final-normed hidden states
+// and a copy of h after each layer listed in hidden_layers.
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
-    const at::Tensor& h, const c10::List<std::optional<at::Tensor>>& weights,
-    at::IntArrayRef qtypes, at::IntArrayRef out_features, at::TensorList k_caches,
-    at::TensorList v_caches, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& token_seq, const at::Tensor& token_pos, const at::Tensor& final_norm,
-    at::IntArrayRef hidden_layers, int64_t num_heads, double eps, double scale);
+    const at::Tensor& h, int64_t stack, at::TensorList k_caches, at::TensorList v_caches,
+    const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
+    const at::Tensor& token_pos, const at::Tensor& final_norm, at::IntArrayRef hidden_layers,
+    int64_t num_heads, double eps, double scale);
 
 }  // namespace speculant

@@ -12,12 +12,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <pthread.h>
+#include <strings.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -47,7 +49,7 @@ struct Pool {
   int num_started = 0;  // worker threads created (guarded by `caller`)
 };
 
-// Claims and runs chunks of job `gen` until none is left; returns the number it ran.
+// Claims and runs chunks of job `gen` until none is left.
 void work(Pool& p, uint32_t gen) {
   const ChunkFn fn = p.fn.load(std::memory_order_acquire);
   const void* ctx = p.ctx.load(std::memory_order_acquire);
@@ -111,17 +113,28 @@ void start_workers(Pool& p, int wanted) {
   }
 }
 
+// The pool, or torch's OpenMP threads (see pool.h): decided once, from the environment.
+bool use_pool() {
+  static const bool use = [] {
+    if (const char* v = std::getenv("SPECULANT_POOL")) return std::string_view(v) != "0";
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    return policy != nullptr && strcasecmp(policy, "passive") == 0;
+  }();
+  return use;
+}
+
 }  // namespace
 
 int pool_threads() { return std::max(1, at::get_num_threads()); }
 
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
-  static const bool use_omp = getenv("POOL_OMP") != nullptr;
-  if (use_omp) {
-    at::parallel_for(0, n, chunk, [&](int64_t b, int64_t e) { fn(ctx, b, e); });
+  const int64_t num_chunks = (n + chunk - 1) / chunk;
+  if (!use_pool()) {  // torch's OpenMP threads, statically split
+    at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
+      fn(ctx, c0 * chunk, std::min(n, c1 * chunk));
+    });
     return;
   }
-  const int64_t num_chunks = (n + chunk - 1) / chunk;
   const int threads = pool_threads();
   if (threads == 1 || in_chunk || num_chunks >= int64_t{kClosed}) {
     fn(ctx, 0, n);

@@ -1,12 +1,21 @@
-// A small work-sharing thread pool for the kernels, used instead of OpenMP (at::parallel_for).
+// How the kernels split work between threads: a small work-sharing pool of their own, or torch's
+// OpenMP threads (at::parallel_for).
 //
-// Why: the machine has 2 cores shared with other processes. An OpenMP region ends only when
-// every thread has run its static share, so whenever the second core is busy elsewhere, each
-// region waits for our worker to get a time slice (milliseconds), dozens of times per step.
-// Here work is split into chunks claimed one at a time from a shared counter; the calling thread
-// claims chunks too, so if the worker is descheduled, the caller simply does all the work and
-// waits only for chunks the worker actually started. Idle workers spin briefly (the next kernel
-// call usually follows within microseconds), then sleep on a futex.
+// Why a pool: on a machine whose cores are shared with other processes, an OpenMP region ends
+// only when every thread has run its static share, so whenever a core is busy elsewhere each
+// region waits for our worker to get a time slice (milliseconds), 150 times per decode step
+// (measured: a step 2-2.6x slower with 2 threads than with 1). Here work is split into chunks
+// claimed one at a time from a shared counter; the calling thread claims chunks too, so if a
+// worker is descheduled the caller simply does the work and waits only for chunks a worker
+// actually started. Idle workers spin briefly (the next kernel call usually follows within
+// microseconds), then sleep on a futex.
+//
+// Why not always: after each of torch's own parallel regions (a sampler's softmax over the
+// vocabulary, say) libgomp's worker spins for milliseconds, on the very core our pool's worker
+// needs; the two then share it, and multi-token steps lose up to 1.6x. So the pool is used when
+// OMP_WAIT_POLICY=passive is in the environment (libgomp then sleeps at once; it reads the
+// variable when torch is imported, so it must be set before that), and torch's OpenMP threads
+// otherwise; SPECULANT_POOL=1 / 0 forces either. Both run the same chunks.
 //
 // Results never depend on which thread runs a chunk: every kernel computes each output element
 // with the same instructions whoever computes it, so dynamic claiming keeps batch invariance.
@@ -19,10 +28,11 @@ namespace speculant {
 
 using ChunkFn = void (*)(const void* ctx, int64_t begin, int64_t end);
 
-// Runs fn(ctx, b, e) for the chunks [b, e) = [i * chunk, min(n, (i + 1) * chunk)) of [0, n), on
-// the caller and up to at::get_num_threads() - 1 workers, and returns when all are done. Runs
-// inline when called from inside a chunk or while another thread is using the pool. An exception
-// thrown by a chunk is rethrown here (the other chunks still run).
+// Runs fn(ctx, b, e) over [0, n) in chunks [i * chunk, min(n, (i + 1) * chunk)) (with torch's
+// OpenMP threads, fn may get several consecutive chunks in one call), on the caller and up to
+// at::get_num_threads() - 1 workers, and returns when all are done. Runs inline when called from
+// inside a chunk or while another thread is using the pool. An exception thrown by a chunk is
+// rethrown here (the other chunks still run).
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx);
 
 // Number of threads a parallel_for may use (the caller included): at::get_num_threads().

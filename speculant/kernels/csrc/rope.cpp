@@ -67,8 +67,9 @@ void head(const float* src, const float* bias, const float* norm, float eps, con
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>& bias,
                          const std::optional<at::Tensor>& q_norm,
-                         const std::optional<at::Tensor>& k_norm, double eps, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& k_cache,
+                         const std::optional<at::Tensor>& k_norm, double eps,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& positions, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& slot_mapping,
                          int64_t num_heads) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 &&

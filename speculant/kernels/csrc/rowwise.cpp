@@ -60,7 +60,9 @@ at::Tensor add_rms_norm(const at::Tensor& h, const at::Tensor& delta, const at::
   float* yp = y.data_ptr<float>();
   const float e = static_cast<float>(eps);
   parallel_for(T, balanced_chunk(T, kMinRowsPerChunk), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) add_rms_norm_row(hp + t * D, dp + t * D, wp, e, D, yp + t * D);
+    for (int64_t t = t0; t < t1; ++t) {
+      add_rms_norm_row(hp + t * D, dp + t * D, wp, e, D, yp + t * D);
+    }
   });
   return y;
 }
@@ -75,7 +77,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   float* yp = y.data_ptr<float>();
   // a row of the MLP's width is ~1 us of exp: split across threads from 8 rows up
   parallel_for(T, balanced_chunk(T, 4), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) silu_mul_row(gp + t * 2 * F, gp + t * 2 * F + F, F, yp + t * F);
+    for (int64_t t = t0; t < t1; ++t) {
+      silu_mul_row(gp + t * 2 * F, gp + t * 2 * F + F, F, yp + t * F);
+    }
   });
   return y;
 }
