@@ -5,6 +5,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.speculant-installed
+# The shipped trained draft keeps only its trained shard in git; its embedding shard is the
+# target's own embedding, rebuilt here from the installed default model.
+DRAFT  := drafts/smollm2-135m-draft-4l
+DRAFT_EMBED := $(DRAFT)/model-embed.safetensors
 
 .PHONY: setup run test test-slow bench clean
 
@@ -16,7 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m speculant.kernels.native
 	touch $(STAMP)
 
-setup: $(STAMP)
+$(DRAFT_EMBED): $(STAMP) $(DRAFT)/model-layers.safetensors
+	$(BIN)/speculant distill --out $(DRAFT) --restore-embeddings
+
+setup: $(STAMP) $(DRAFT_EMBED)
 
 run: setup
 	$(BIN)/speculant demo

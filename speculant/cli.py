@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_args(demo)
     add_engine_args(demo)
+
+    parity = sub.add_parser("parity", help="logit deviation and identical greedy outputs vs transformers")
+    from speculant.parity_cmd import add_parity_args
+
+    add_parity_args(parity)
     return parser
 
 
@@ -152,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
             from speculant.demo_cmd import run_demo
 
             return run_demo(args)
+        if args.command == "parity":
+            from speculant.parity_cmd import run_parity
+
+            return run_parity(args)
         if args.command == "bench":
             from speculant.bench import run_bench
 

@@ -153,6 +153,8 @@ def run_distill(args: argparse.Namespace) -> int:
     # 1) data: target continuations + top-k logits (cached in --out)
     data, heldout, data_info = load_or_generate(cfg.model, _data_spec(cfg, target.files.path),
                                                 cfg.out, cfg.threads)
+    os.makedirs(cfg.out, exist_ok=True)
+    write_generated_vocab(cfg.out, data, target.config.vocab_size)
     # 2) the draft, from the target's own weights
     draft = TrainableDraft.from_target(target.weights, target.config, layer_ids)
     del target
@@ -482,6 +484,17 @@ def agreement_summary(agree: list[list[bool]]) -> dict:
 
 
 # ---- export -----------------------------------------------------------------------------------
+
+def write_generated_vocab(out: str, data, vocab_size: int) -> str:
+    """draft_vocab.json: the tokens the target generated in the training data, most frequent
+    first (what `--spec-option draft.lm_head_tokens=N` restricts the draft's LM head to)."""
+    import torch
+
+    from speculant.spec.draft_vocab import write_draft_vocab
+
+    generated = torch.roll(data.token_ids, -1)[data.next_is_output]  # [num generated]
+    return write_draft_vocab(out, generated, vocab_size, "target tokens generated in distill data")
+
 
 def save_draft(draft: TrainableDraft, out: str, target_model: str) -> dict:
     """Write the HF folder: config.json, the two fp16 shards and their index, tokenizer files."""

@@ -134,3 +134,46 @@ def test_expected_accepted_alone_maps_to_a_per_position_rate():
     a = _rate_for_expected(2.0, 4)
     assert abs(sum(a ** i for i in range(1, 5)) - 2.0) < 1e-6
     assert _rate_for_expected(4.0, 4) > 0.999 and _rate_for_expected(0.0, 4) < 1e-6
+
+
+class SlowModelDrafter(Fixed):
+    """A model-based drafter: drafting costs wall time per position, whether or not it wins."""
+
+    is_model_based = True
+
+    def __init__(self, name, tokens, seconds_per_position):
+        super().__init__(name, tokens)
+        self.seconds_per_position = seconds_per_position
+        self.requested_n_max = []
+
+    def draft(self, requests):
+        import time
+
+        out = {}
+        for r in requests:
+            self.requested_n_max.append(r.params.n_max)
+            n = min(r.params.n_max, len(self.tokens))
+            time.sleep(self.seconds_per_position * n)
+            out[r.seq_id] = Draft(list(self.tokens[:n]), token_probs=[0.6] * n)
+        return out
+
+
+def test_model_drafter_is_budgeted_by_its_draft_time_and_ngram_wins_where_it_is_right():
+    """Mixed chain: the model drafter's n_max shrinks when its draft time is as dear as a plain
+    token, and the n-gram drafter that keeps being fully accepted wins the sequence."""
+    ngram = Fixed("ngram", [5, 6, 7, 8])
+    model = SlowModelDrafter("model", [5, 6, 0, 0], seconds_per_position=0.004)
+    chain = SpeculatorChain([ngram, model])
+    chain.begin(0, [1, 2], ("ngram", "model"))
+    winners = []
+    for _ in range(6):
+        # One plain token costs ~4 ms, like one draft position: drafting is far from free.
+        w = chain.draft([request()], cost_per_token=0.1, seconds_per_token=0.004).get(0)
+        winners.append(w.source)
+        chain.accept(0, len(w) if w.source == "ngram" else min(len(w), 2))
+    assert winners[-3:] == ["ngram"] * 3
+    # Before its time is known, the prior acceptance (0.5) caps it at 3 positions (the 4th's
+    # survival 0.0625 is below the verify cost 0.1); once a position is known to cost a plain token,
+    # no position pays for itself and the model drafter is not asked again (until a probe).
+    assert model.requested_n_max == [3]
+    assert chain.stats["ngram"].num_accepted_tokens > chain.stats["model"].num_accepted_tokens

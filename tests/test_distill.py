@@ -72,6 +72,42 @@ def test_engine_loads_the_draft_and_greedy_output_is_exact(tiny_draft):
     assert sum(s.spec.num_draft_tokens for s in runs[1]) > 0
 
 
+def test_restricted_lm_head_proposes_only_its_tokens_and_output_stays_exact(tiny_draft):
+    """draft.lm_head_tokens=N: the draft scores only the N tokens the target generated most in
+    the distill data (draft_vocab.json), proposes nothing else, and greedy output is unchanged."""
+    from speculant.engine import Engine
+    from speculant.sampling_params import SamplingParams, SpecParams
+    from speculant.spec.draft_vocab import read_ranking
+
+    ranking = read_ranking(tiny_draft[0])
+    assert ranking, "distill wrote no draft vocabulary"
+    engine = Engine(model="default", spec_type=["draft"], draft_model=tiny_draft[0],
+                    spec_options={"draft": {"lm_head_tokens": 16}}, num_threads=TEST_THREADS,
+                    kv_cache_tokens=4096, max_num_seqs=2)
+    drafter = engine.chain.speculators["draft"]
+    allowed = set(drafter.head_ids.tolist())
+    assert len(allowed) == 16 and set(ranking[:15]) <= allowed  # (EOS is always kept)
+    assert drafter.model.lm_head.out_features == 16
+    proposed = []
+    original_draft = drafter.draft
+
+    def spy(requests):
+        drafts = original_draft(requests)
+        proposed.extend(t for d in drafts.values() for t in d.token_ids)
+        return drafts
+
+    drafter.draft = spy
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}])
+    runs = []
+    for spec in (SpecParams(enabled=False), SpecParams()):
+        seq = engine.add_request(chat, SamplingParams(max_tokens=16, temperature=0.0, spec=spec))
+        while engine.has_unfinished():
+            engine.step()
+        runs.append(seq.output_ids)
+    assert runs[1] == runs[0]
+    assert proposed and set(proposed) <= allowed
+
+
 def test_rerun_reuses_the_cached_data(tiny_draft, prompts_file, capsys):
     out, _ = tiny_draft
     assert distill("--out", out, "--prompts", prompts_file, *TINY, "--steps", "1") == 0

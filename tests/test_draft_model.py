@@ -105,3 +105,31 @@ def test_draft_lifecycle_misuse_is_loud(self_draft_engine):
     spec.end(999)
     with pytest.raises(ValueError, match="999"):
         spec.accept(999, 1, False)
+
+
+@pytest.mark.parametrize("ranking, n, vocab, always, expected", [
+    ([7, 3, 9], 2, 10, frozenset(), [3, 7]),  # the n most frequent, returned sorted
+    ([7, 3, 9], 3, 10, frozenset({2}), [2, 3, 7]),  # EOS always kept, inside the budget
+    ([7, 12, 3], 3, 10, frozenset(), [0, 3, 7]),  # ids beyond the vocabulary skipped, then id order fills
+    ([], 2, 10, frozenset(), [0, 1]),  # no ranking: id order
+])
+def test_head_token_ids(ranking, n, vocab, always, expected):
+    from speculant.spec.draft_vocab import head_token_ids
+
+    assert head_token_ids(ranking, n, vocab, always).tolist() == expected
+
+
+def test_rank_tokens_orders_by_count_then_id():
+    import torch
+
+    from speculant.spec.draft_vocab import rank_tokens
+
+    ids, counts = rank_tokens(torch.tensor([5, 1, 5, 2, 1, 5, 0]), 8)
+    assert ids == [5, 1, 0, 2] and counts == [3, 2, 1, 1]
+
+
+def test_restricted_head_without_a_vocabulary_file_is_a_clear_error(tmp_path):
+    from speculant.spec.draft_vocab import read_ranking
+
+    with pytest.raises(FileNotFoundError, match="draft_vocab.json"):
+        read_ranking(str(tmp_path))

@@ -52,3 +52,28 @@ def test_fp32_greedy_64_tokens_identical_to_transformers_on_10_dev_prompts(hf):
             ref = hf_model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=2,
                                     attention_mask=torch.ones_like(ids), pad_token_id=0)
         assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+
+
+def test_parity_command_reports_fp32_agreement_and_quantized_deviation(capsys):
+    """`speculant parity` prints a table and a JSON last line; fp32 agrees with transformers to
+    rounding, the shipped quantized weights deviate measurably (int8 activation blocks)."""
+    import json
+
+    from speculant.cli import main
+    from speculant.parity_cmd import common_prefix
+
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
+    assert main(["parity", "--categories", "qa", "--limit", "1", "--max-tokens", "8",
+                 "--dtypes", "float32,auto"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("Parity with transformers fp32")
+    result = {r["dtype"]: r for r in json.loads(out[-1])["results"]}
+    assert result["float32"]["max_abs_logit_dev"] < 1e-3
+    assert result["float32"]["num_identical"] == 1 and result["float32"]["num_prompts"] == 1
+    assert result["auto"]["max_abs_logit_dev"] > result["float32"]["max_abs_logit_dev"]
+
+
+def test_parity_command_rejects_bad_limit():
+    from speculant.cli import main
+
+    assert main(["parity", "--limit", "0"]) == 2

@@ -166,6 +166,22 @@ def test_concat_stacks_rows(qtype, sizes, native):
         assert rel_err(fused(x, native=native), separate) < 1e-6
 
 
+@pytest.mark.parametrize("qtype", ALL_TYPES)
+def test_select_rows_keeps_exactly_those_rows(qtype, native):
+    """select_rows (a draft's restricted LM head) == the chosen rows of the full matrix, and
+    its outputs are the full matrix's outputs at those columns, bit for bit natively."""
+    w = PackedLinear.from_float(random_weight(37, 64), qtype)
+    ids = torch.tensor([36, 0, 9, 8, 17, 3, 30, 31, 1, 22, 5])  # unordered, across groups
+    sub = w.select_rows(ids)
+    assert (sub.out_features, sub.in_features) == (11, 64)
+    assert torch.equal(bits(sub.dequantize()), bits(w.dequantize()[ids]))
+    x = torch.randn(3, 64)
+    if native:
+        assert torch.equal(bits(sub(x, native=native)), bits(w(x, native=native)[:, ids]))
+    else:
+        assert rel_err(sub(x, native=native), w(x, native=native)[:, ids]) < 1e-6
+
+
 def test_concat_rejects_mismatched_parts():
     a = PackedLinear.from_float(torch.randn(8, 64), "Q4_0")
     with pytest.raises(ValueError, match="cannot concat"):

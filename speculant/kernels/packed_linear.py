@@ -94,6 +94,15 @@ class PackedLinear:
         return cls._from_blocks(GGMLBlocks(first.qtype, torch.cat([b.qs for b in rows]),
                                            torch.cat([b.scales for b in rows]), mins))
 
+    def select_rows(self, ids: torch.Tensor) -> PackedLinear:
+        """A new matrix of rows `ids` ([n] int64) of this one, in the same qtype, bit for bit
+        (a draft's LM head restricted to the tokens it may propose, say)."""
+        if self.qtype in _FLOAT_DTYPES:
+            return self._from_rows(self.qtype, self._float_rows()[ids])
+        b = self._blocks()
+        return self._from_blocks(GGMLBlocks(self.qtype, b.qs[ids], b.scales[ids],
+                                            None if b.mins is None else b.mins[ids]))
+
     @classmethod
     def _from_rows(cls, qtype: str, weight: torch.Tensor) -> PackedLinear:
         # weight [N, K] -> [G, K, 8]

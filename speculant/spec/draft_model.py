@@ -24,6 +24,7 @@ import torch
 from speculant.forward_batch import SeqChunk, build_forward_batch
 from speculant.kv_cache import CacheFullError
 from speculant.spec.base import Draft, DraftRequest, Speculator, SpeculatorContext, register
+from speculant.spec.draft_vocab import head_token_ids, read_ranking
 from speculant.spec.ngram_match import common_prefix_len
 
 
@@ -35,6 +36,9 @@ class DraftModelConfig:
     - max_chunk_tokens: longest catch-up evaluated in one draft forward (long prompts are
       mirrored over several rounds; the sequence drafts once it has caught up).
     - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their probabilities.
+    - lm_head_tokens: 0 = the draft scores the whole vocabulary; N > 0 = only the N tokens the
+      target generates most often (`draft_vocab.json` of the draft folder, see draft_vocab.py):
+      a much cheaper draft step, at the price of never proposing the other tokens.
     """
 
     model: str = ""
@@ -44,8 +48,11 @@ class DraftModelConfig:
     max_chunk_tokens: int = 1024
     temperature: float = 0.0
     seed: int = 0
+    lm_head_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.lm_head_tokens < 0:
+            raise ValueError(f"draft: lm_head_tokens must be >= 0, got {self.lm_head_tokens}")
         for name in ("kv_cache_tokens", "block_size", "max_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"draft: {name} must be >= 1, got {getattr(self, name)}")
@@ -74,6 +81,13 @@ class DraftModelSpeculator(Speculator):
                                         config.block_size)
         self.vocab_size = min(ctx.vocab_size, model.config.vocab_size)
         self.eos_token_ids = frozenset(ctx.eos_token_ids)
+        # [n] int64: the token of each column of the draft's logits; None = column i is token i
+        self.head_ids: torch.Tensor | None = None
+        if config.lm_head_tokens and config.lm_head_tokens < self.vocab_size:
+            ranking = read_ranking(config.model)
+            self.head_ids = head_token_ids(ranking, config.lm_head_tokens, self.vocab_size,
+                                           self.eos_token_ids)
+            model.lm_head = model.lm_head.select_rows(self.head_ids)
         self._cached: dict[int, list[int]] = {}  # tokens whose K/V are in the draft cache
         self._generator = torch.Generator().manual_seed(config.seed)
         self.num_draft_forwards = 0
@@ -179,15 +193,23 @@ class DraftModelSpeculator(Speculator):
         return rows
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
-        # logits [vocab_dft]; tokens beyond the target's vocabulary are never proposed.
-        logits = logits[:self.vocab_size]
+        """logits [vocab_dft], or [n] over head_ids -> (token, its draft probability, q over
+        the target's vocabulary [vocab] when sampling). Tokens beyond the target's vocabulary
+        are never proposed."""
+        if self.head_ids is None:
+            logits = logits[:self.vocab_size]
         if self.config.temperature == 0.0:
             probs = torch.softmax(logits, dim=-1)
-            tok = int(torch.argmax(logits))
-            return tok, float(probs[tok]), None
+            col = int(torch.argmax(logits))
+            return self._token(col), float(probs[col]), None
         probs = torch.softmax(logits / self.config.temperature, dim=-1)
-        tok = int(torch.multinomial(probs, 1, generator=self._generator))
-        return tok, float(probs[tok]), probs
+        col = int(torch.multinomial(probs, 1, generator=self._generator))
+        if self.head_ids is not None:  # q is zero outside the head's tokens
+            probs = probs.new_zeros(self.vocab_size).index_copy_(0, self.head_ids, probs)
+        return self._token(col), float(probs[self._token(col)]), probs
+
+    def _token(self, col: int) -> int:
+        return col if self.head_ids is None else int(self.head_ids[col])
 
 
 class _Growing:
