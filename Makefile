@@ -34,7 +34,7 @@ test: setup
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow
 
-# All dev categories (3 prompts each): plain, the chain, HF transformers; ~25 min on 2 cores.
+# All dev categories (3 prompts each): plain, the chain, HF transformers; ~15 min on 2 cores.
 bench: setup
 	$(BIN)/speculant bench --prompts ../shared/data/prompts_dev.jsonl --limit 3 \
 		--spec-type ngram_mod,suffix --concurrency 1 --max-tokens 128 --repeats 2 \

@@ -230,17 +230,8 @@ def _warm_up(engine, args, methods, groups) -> None:
     shortest = min((p.text for ps in groups.values() for p in ps), key=len)
     engine.scheduler.max_num_seqs = 1
     for _, types in _progress(methods, "warm-up", "method"):
-        _generate(engine, [shortest], _params(args, types, args.warmup_tokens))
+        engine.run_to_completion([shortest], _params(args, types, args.warmup_tokens))
     engine.reset_stats()
-
-
-def _generate(engine, prompts: list[str], params) -> list:
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    for s in seqs:
-        engine.release(s)
-    return seqs
 
 
 def _measure_all(engine, args, methods, groups, levels, threads):
@@ -279,7 +270,7 @@ def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
         engine.scheduler.max_num_seqs = level
         engine.reset_stats()
         t0 = time.perf_counter()
-        seqs = _generate(engine, texts, params)
+        seqs = engine.run_to_completion(texts, params)
         return time.perf_counter() - t0, engine.stats, seqs
 
     (wall, stats, seqs), usage, reruns = run_with_reruns(

@@ -41,6 +41,7 @@ EMBED_KEY = "model.embed_tokens.weight"
 EMBED_SHARD = "model-embed.safetensors"
 LAYERS_SHARD = "model-layers.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+HEAD_TOKENS_KEY = "speculant_lm_head_tokens"  # config.json: the head size the draft was trained for
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json")
 WARMUP_STEPS = 10
@@ -66,7 +67,11 @@ class DistillConfig:
     steps: int = 0  # 0 = as many as the time budget allows
     seq_len: int = 512
     batch_size: int = 8  # rows of up to seq_len tokens per optimizer step
-    lr: float = 3e-4
+    lr: float = 1e-3
+    # LM head and loss over the N tokens the target generates most (draft_vocab.json), as the
+    # draft runs with `draft.lm_head_tokens=N`: the full 49152-row head is most of a training
+    # step's arithmetic. 0 = the whole vocabulary.
+    train_vocab: int = 8192
     ce_weight: float = 0.5
     threads: int | None = None
     time_budget_min: float = 45.0  # training stops cleanly (and saves) when it is spent
@@ -80,7 +85,7 @@ class DistillConfig:
             raise ValueError(f"distill: --init must be one of {INIT_CHOICES}, got {self.init!r}")
         for name, low in (("layers", 1), ("eval_prompts", 0), ("max_new_tokens", 1),
                           ("samples_per_prompt", 1), ("top_k", 1), ("steps", 0), ("seq_len", 16),
-                          ("batch_size", 1), ("seed", 0)):
+                          ("batch_size", 1), ("seed", 0), ("train_vocab", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"distill: --{name.replace('_', '-')} must be >= {low}, "
                                  f"got {getattr(self, name)}")
@@ -125,6 +130,9 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=d["seq_len"].default, help="tokens per training row")
     p.add_argument("--batch-size", type=int, default=d["batch_size"].default, help="rows per step")
     p.add_argument("--lr", type=float, default=d["lr"].default, help="AdamW peak learning rate")
+    p.add_argument("--train-vocab", type=int, default=d["train_vocab"].default,
+                   help="LM head restricted to the N tokens the target generates most (the "
+                        "draft then runs with draft.lm_head_tokens=N); 0 = whole vocabulary")
     p.add_argument("--ce-weight", type=float, default=d["ce_weight"].default,
                    help="weight of the cross-entropy on target tokens (KL weight is 1)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -154,9 +162,11 @@ def run_distill(args: argparse.Namespace) -> int:
     data, heldout, data_info = load_or_generate(cfg.model, _data_spec(cfg, target.files.path),
                                                 cfg.out, cfg.threads)
     os.makedirs(cfg.out, exist_ok=True)
-    write_generated_vocab(cfg.out, data, target.config.vocab_size)
+    vocab_file = write_generated_vocab(cfg.out, data, target.config.vocab_size)
     # 2) the draft, from the target's own weights
     draft = TrainableDraft.from_target(target.weights, target.config, layer_ids)
+    if cfg.train_vocab and cfg.train_vocab < target.config.vocab_size:
+        draft.restrict_head(_head_ids(vocab_file, cfg.train_vocab, target))
     del target
     agree_init = heldout_agreement(draft, heldout)
     # 3) train, 4) save, 5) measure
@@ -176,6 +186,16 @@ def _check_target(config: ModelConfig) -> ModelConfig:
         raise ValueError(f"distill: the target must be a Llama-architecture model with tied "
                          f"embeddings, got {config.architecture!r}")
     return config
+
+
+def _head_ids(vocab_file: str, num_tokens: int, target):
+    """The draft's head tokens, chosen exactly as `draft.lm_head_tokens` chooses them."""
+    from speculant.spec.draft_vocab import head_token_ids, read_ranking
+    from speculant.tokenizer import load_tokenizer
+
+    eos = load_tokenizer(target.files).eos_token_id
+    return head_token_ids(read_ranking(os.path.dirname(vocab_file)), num_tokens,
+                          target.config.vocab_size, frozenset(() if eos is None else (eos,)))
 
 
 def select_layers(config: ModelConfig, num_layers: int, init: str) -> list[int]:
@@ -219,6 +239,9 @@ class TrainableDraft:
 
         self.config = config
         self.params = params
+        # LM head restricted to these token ids [n] (column j = token head_ids[j]); None = all
+        self.head_ids = None
+        self.column_of = None  # [vocab] int64: column of each token id, -1 outside the head
         # NeoX-style rotary tables, as HF computes them: [max_positions, head_dim] each
         c = config
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
@@ -262,9 +285,25 @@ class TrainableDraft:
             h = self._mlp(h, f"model.layers.{i}.")
         return _rms_norm(h, p["model.norm.weight"], c.rms_norm_eps)
 
+    def restrict_head(self, head_ids) -> None:
+        """Score only the tokens head_ids [n] (sorted int64), as the engine's restricted head."""
+        import torch
+
+        vocab = self.params[EMBED_KEY].shape[0]
+        self.head_ids = head_ids
+        self.column_of = torch.full((vocab,), -1, dtype=torch.long)
+        self.column_of[head_ids] = torch.arange(len(head_ids))
+
     def logits(self, hidden):
-        """hidden [n, hidden] -> [n, vocab] through the tied LM head."""
-        return hidden @ self.params[EMBED_KEY].T
+        """hidden [n, hidden] -> [n, vocab] through the tied LM head ([n, len(head_ids)] when
+        restricted)."""
+        embed = self.params[EMBED_KEY]
+        return hidden @ (embed if self.head_ids is None else embed[self.head_ids]).T
+
+    def predict(self, hidden):
+        """hidden [n, hidden] -> the draft's greedy token ids [n]."""
+        cols = self.logits(hidden).argmax(-1)
+        return cols if self.head_ids is None else self.head_ids[cols]
 
     def _attention(self, h, prefix: str, cos, sin, mask):
         import torch.nn.functional as F
@@ -317,17 +356,31 @@ def hf_param_names(config: ModelConfig) -> list[str]:
 
 # ---- training ---------------------------------------------------------------------------------
 
-def distill_loss(logq, topk_ids, topk_logprobs, next_ids, ce_mask):
+def distill_loss(logq, topk_ids, topk_logprobs, next_ids, ce_mask, column_of=None):
     """Summed losses over n positions: (KL(p_tgt top-k || q_dft), CE of the target tokens).
 
     logq [n, vocab] draft log-probs; topk_ids [n, k]; topk_logprobs [n, k] target log-probs
     (full-vocabulary softmax: renormalized here over the top-k); next_ids [n]; ce_mask [n] bool.
+    With `column_of` [vocab] (a restricted head: logq is [n, head] and column_of maps token ids
+    to its columns, -1 outside) p_tgt is renormalized over the top-k tokens inside the head and
+    CE skips target tokens outside it: the draft can never propose those.
     """
     import torch
 
-    log_p = torch.log_softmax(topk_logprobs.float(), dim=-1)  # [n, k]
-    kl = (log_p.exp() * (log_p - logq.gather(1, topk_ids.long()))).sum()
-    ce = -logq[ce_mask].gather(1, next_ids[ce_mask].long().unsqueeze(1)).sum()
+    cols, next_cols = topk_ids.long(), next_ids.long()
+    logits_p = topk_logprobs.float()
+    if column_of is not None:
+        cols, next_cols = column_of[cols], column_of[next_cols]
+        logits_p = logits_p.masked_fill(cols < 0, float("-inf"))
+        ce_mask = ce_mask & (next_cols >= 0)
+        keep = (cols >= 0).any(1)  # rows with at least one top-k token inside the head
+        cols, logits_p, logq_kl = cols[keep].clamp(min=0), logits_p[keep], logq[keep]
+    else:
+        logq_kl = logq
+    log_p = torch.log_softmax(logits_p, dim=-1)  # [n, k]
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - logq_kl.gather(1, cols)), 0.0).sum()
+    ce = -logq[ce_mask].gather(1, next_cols[ce_mask].unsqueeze(1)).sum()
     return kl, ce
 
 
@@ -420,7 +473,7 @@ def _train_step(draft, opt, data, batch, kl_mask, ce_mask, next_ids, ce_weight) 
         sel = idx[kl_mask[idx]]
         logq = torch.log_softmax(draft.logits(hidden[kl_mask[idx]]), dim=-1)  # [n, vocab]
         kl, ce = distill_loss(logq, data.topk_ids[sel], data.topk_logprobs[sel], next_ids[sel],
-                              ce_mask[sel])
+                              ce_mask[sel], draft.column_of)
         (kl / num_kl + ce_weight * ce / num_ce).backward()
         kl_total += kl.item()
         ce_total += ce.item()
@@ -449,7 +502,7 @@ def heldout_agreement(draft: TrainableDraft, heldout) -> list[list[bool]]:
             tokens = torch.tensor(ids)
             n = len(ids)
             hidden = draft.hidden(tokens, torch.arange(n), torch.zeros(n, dtype=torch.long))
-            pred = draft.logits(hidden[num_prompt - 1:n - 1]).argmax(-1)  # predicts ids[P:]
+            pred = draft.predict(hidden[num_prompt - 1:n - 1])  # predicts ids[P:]
             out.append((pred == tokens[num_prompt:]).tolist())
     return out
 
@@ -508,8 +561,11 @@ def save_draft(draft: TrainableDraft, out: str, target_model: str) -> dict:
     save_file(embed, os.path.join(out, EMBED_SHARD), metadata={"format": "pt"})
     _write_index(out, tensors, embed)
     tokenizer = _copy_tokenizer(target_model, out)
+    config = hf_config(draft.config, tokenizer)
+    if draft.head_ids is not None:  # trained for a restricted head: the draft runs with it
+        config[HEAD_TOKENS_KEY] = len(draft.head_ids)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(draft.config, tokenizer), f, indent=1)
+        json.dump(config, f, indent=1)
     return {name: round(os.path.getsize(os.path.join(out, name)) / 1e6, 1)
             for name in (LAYERS_SHARD, EMBED_SHARD)}
 
@@ -601,6 +657,7 @@ def _recipe(cfg, layer_ids, data_info, train_info, agree_init, agree, files) -> 
                         prompts=data_info.get("heldout_prompts"),
                         agreement_init=agreement_summary(agree_init)["agreement"]),
         "use": f"--spec-type draft --draft-model {cfg.out} --spec-option draft.dtype=q8_0",
+        "lm_head_tokens": cfg.train_vocab or None,
     }
 
 

@@ -158,6 +158,16 @@ class Engine:
         if seq.is_finished:
             self._by_request.pop(seq.request_id, None)
 
+    def run_to_completion(self, prompts: list, params: SamplingParams) -> list[Sequence]:
+        """Add every prompt, step until all finish, release them (benchmarks and tests: no
+        streaming, no late arrivals)."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        while self.has_unfinished():
+            self.step()
+        for seq in seqs:
+            self.release(seq)
+        return seqs
+
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[StepUpdate]:

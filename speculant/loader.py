@@ -277,6 +277,7 @@ def _load_hf(files: ModelFiles, dtype: str) -> LoadedModel:
     shards = sorted(glob.glob(os.path.join(files.path, "*.safetensors")))
     if not shards:
         raise ModelNotFoundError(f"no *.safetensors weights in {files.path!r}")
+    _check_indexed_shards(files.path)
     weights: dict = {}
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
@@ -290,6 +291,21 @@ def _load_hf(files: ModelFiles, dtype: str) -> LoadedModel:
         weights.pop("output.weight", None)
         config.tie_word_embeddings = True
     return LoadedModel(config, weights, files, None)
+
+
+def _check_indexed_shards(path: str) -> None:
+    """A sharded folder missing one of its shards would load as a model with missing layers."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.exists(index):
+        return
+    with open(index) as f:
+        named = sorted(set(json.load(f).get("weight_map", {}).values()))
+    missing = [s for s in named if not os.path.exists(os.path.join(path, s))]
+    if missing:
+        hint = (f" (a shipped draft keeps only its trained shard: rebuild the rest with "
+                f"`speculant distill --out {path} --restore-embeddings`)")
+        raise ModelNotFoundError(f"{path!r}: shard {missing[0]!r} named in "
+                                 f"model.safetensors.index.json is missing{hint}")
 
 
 def _hf_to_gguf_name(key: str) -> str | None:

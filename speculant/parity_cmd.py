@@ -44,15 +44,6 @@ def add_parity_args(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def run_parity(args) -> int:
     import torch
 
@@ -109,6 +100,7 @@ def _compare(llm, dtype: str, ids: list[list[int]], refs: list[tuple], max_token
     import torch
 
     from speculant.sampling_params import SamplingParams, SpecParams
+    from speculant.spec.ngram_match import common_prefix_len
 
     t0 = time.perf_counter()
     devs = [(prompt_logits(llm.engine.model, p) - ref_logits).abs()
@@ -117,7 +109,7 @@ def _compare(llm, dtype: str, ids: list[list[int]], refs: list[tuple], max_token
                         SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                        spec=SpecParams(enabled=False)))
     same = [o.token_ids == ref for o, (_, ref) in zip(outs, refs)]
-    prefixes = [common_prefix(o.token_ids, ref) for o, (_, ref), s in zip(outs, refs, same) if not s]
+    prefixes = [common_prefix_len(o.token_ids, ref) for o, (_, ref), s in zip(outs, refs, same) if not s]
     all_devs = torch.cat([d.flatten() for d in devs])
     print(f"[parity] {dtype}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return ParityResult(dtype, len(ids), round(all_devs.max().item(), 6),

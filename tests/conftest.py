@@ -61,6 +61,14 @@ def default_engine():
                   num_threads=TEST_THREADS)
 
 
+def decode_all(engine, prompts, params, batch=None):
+    """Add every prompt, step the engine until all finish, release them; returns the sequences.
+    `batch` caps how many decode together (the scheduler's max_num_seqs)."""
+    if batch is not None:
+        engine.scheduler.max_num_seqs = batch
+    return engine.run_to_completion(prompts, params)
+
+
 def dev_prompts(categories, limit):
     from speculant.prompt_set import read_prompts
 

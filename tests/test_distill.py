@@ -10,7 +10,7 @@ import torch
 
 from conftest import TEST_THREADS
 from speculant.distill import (EMBED_SHARD, LAYERS_SHARD, TrainableDraft, add_distill_args,
-                               pack_rows, run_distill, save_draft, select_layers,
+                               distill_loss, pack_rows, run_distill, save_draft, select_layers,
                                simulated_acceptance)
 
 PROMPTS = [  # two to train on, one held out (qa is judged, so never trained on)
@@ -51,6 +51,36 @@ def test_tiny_run_writes_a_draft_and_its_recipe(tiny_draft):
     assert recipe["data"]["heldout_categories"] == ["qa"]
     assert recipe["train"]["steps"] == 3 and recipe["draft"]["init_from_target_layers"] == [0]
     assert 0.0 <= recipe["heldout"]["agreement"] <= 1.0 and recipe["heldout"]["positions"] > 0
+
+
+def test_tiny_run_records_its_restricted_head_for_the_engine(tiny_draft):
+    """--train-vocab N (default 8192) is written to config.json; the draft speculator reads it."""
+    from speculant.spec.draft_model import trained_head_tokens
+
+    out, recipe = tiny_draft
+    assert recipe["lm_head_tokens"] == 8192 and trained_head_tokens(out) == 8192
+    assert trained_head_tokens(os.path.dirname(out)) == 0  # no config.json: whole vocabulary
+
+
+def test_restricted_head_loss_equals_the_loss_over_the_head_tokens():
+    """With a restricted head, KL renormalizes p_tgt over the top-k tokens inside the head and CE
+    skips targets outside it; rows with no top-k token inside are left out."""
+    torch.manual_seed(0)
+    vocab, head = 10, torch.tensor([1, 3, 4, 7])
+    column_of = torch.full((vocab,), -1, dtype=torch.long)
+    column_of[head] = torch.arange(4)
+    logq = torch.log_softmax(torch.randn(3, 4), -1)  # [n, head]
+    topk_ids = torch.tensor([[3, 2, 7], [1, 4, 9], [0, 2, 5]])  # row 2: nothing in the head
+    topk_lp = torch.log_softmax(torch.randn(3, 3), -1)
+    next_ids = torch.tensor([3, 9, 0])
+    kl, ce = distill_loss(logq, topk_ids, topk_lp, next_ids, torch.ones(3, dtype=torch.bool), column_of)
+    expected_kl = 0.0
+    for row, inside in ((0, [0, 2]), (1, [0, 1])):
+        p = torch.softmax(topk_lp[row, inside], -1)
+        cols = column_of[topk_ids[row, inside]]
+        expected_kl += (p * (p.log() - logq[row, cols])).sum()
+    torch.testing.assert_close(kl, expected_kl)
+    torch.testing.assert_close(ce, -logq[0, column_of[3]])  # rows 1 and 2: target outside
 
 
 def test_engine_loads_the_draft_and_greedy_output_is_exact(tiny_draft):

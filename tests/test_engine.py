@@ -1,6 +1,7 @@
 """The engine on the default model: batching invariance, stopping, seeds, abort, bad input."""
 import pytest
 
+from conftest import decode_all
 from speculant.sampling_params import SamplingParams, SpecParams
 
 PROMPTS = [
@@ -21,13 +22,7 @@ def chat(engine, text):
 
 
 def run(engine, prompts, params, max_num_seqs=8):
-    engine.scheduler.max_num_seqs = max_num_seqs
-    seqs = [engine.add_request(chat(engine, p), params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    for s in seqs:
-        engine.release(s)
-    return seqs
+    return decode_all(engine, [chat(engine, p) for p in prompts], params, max_num_seqs)
 
 
 def test_eight_prompts_batched_equal_each_alone(default_engine):

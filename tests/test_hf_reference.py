@@ -60,9 +60,6 @@ def test_parity_command_reports_fp32_agreement_and_quantized_deviation(capsys):
     import json
 
     from speculant.cli import main
-    from speculant.parity_cmd import common_prefix
-
-    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
     assert main(["parity", "--categories", "qa", "--limit", "1", "--max-tokens", "8",
                  "--dtypes", "float32,auto"]) == 0
     out = capsys.readouterr().out.strip().splitlines()

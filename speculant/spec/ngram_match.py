@@ -13,6 +13,7 @@ rescans the whole history per step.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from array import array
 from typing import ClassVar
 
@@ -23,6 +24,7 @@ from speculant.spec.base import (
     DraftRequest,
     Speculator,
     SpeculatorContext,
+    expected_accepted,
 )
 
 
@@ -59,16 +61,6 @@ def limit_draft(token_ids: list[int], token_probs: list[float] | None,
     return token_ids[:keep], None if token_probs is None else token_probs[:keep]
 
 
-def expected_accepted(token_probs: list[float]) -> float:
-    """Expected accepted tokens of a draft whose token i is right with probability token_probs[i]
-    given tokens before it: sum over i of P(tokens 0..i all right)."""
-    total, survive = 0.0, 1.0
-    for p in token_probs:
-        survive *= p
-        total += survive
-    return total
-
-
 def draft_was_rejected(tokens: list[int], draft_start: int, draft_ids: list[int],
                        num_accepted: int) -> bool | None:
     """Whether a draft placed at history position draft_start had num_accepted tokens accepted
@@ -95,14 +87,9 @@ def _cut_after_eos(draft: Draft, eos: frozenset[int], n_min: int) -> Draft | Non
     else:
         return draft
     keep = i + 1
-    if keep == len(draft.token_ids):
-        return draft
     if keep < n_min:
         return None
-    probs = None if draft.token_probs is None else draft.token_probs[:keep]
-    return Draft(draft.token_ids[:keep],
-                 expected_accepted=None if probs is None else expected_accepted(probs),
-                 token_probs=probs)
+    return draft.prefix(keep)
 
 
 class NgramIndex:
@@ -255,8 +242,9 @@ class MirroredSpeculator(Speculator):
     def _on_truncate(self, state, new_len: int) -> None:
         """state.tokens[new_len:] are about to be dropped; un-index them."""
 
+    @abstractmethod
     def _draft_one(self, state, params: DraftParams) -> Draft | None:
-        raise NotImplementedError
+        """This sequence's draft under `params`, or None."""
 
     def _on_accept(self, state, num_accepted: int, is_other: bool) -> None:
         """The last draft for this sequence had num_accepted tokens accepted."""

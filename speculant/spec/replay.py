@@ -30,6 +30,7 @@ from speculant.spec.base import (
     SpeculatorContext,
     speculator_class,
 )
+from speculant.spec.ngram_match import common_prefix_len
 
 
 @dataclass(slots=True)
@@ -73,16 +74,6 @@ def _add_per_pos(total: list[int], more: list[int]) -> None:
         total[i] += n
 
 
-def num_matching(draft_ids: list[int], expected: list[int]) -> int:
-    """Greedy verification: length of the longest prefix of the draft equal to the output."""
-    n = 0
-    for d, e in zip(draft_ids, expected):
-        if d != e:
-            break
-        n += 1
-    return n
-
-
 def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int],
                   params: DraftParams, seq_id: int = 0) -> ReplayStats:
     """Replay one record through `spec`; returns its statistics."""
@@ -103,7 +94,7 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
             num_acc = 0
             if draft is not None and len(draft) > 0:
                 draft_ids = draft.token_ids[:step_params.n_max]
-                num_acc = num_matching(draft_ids, output_ids[done:])
+                num_acc = common_prefix_len(draft_ids, output_ids[done:])  # greedy verification
                 spec.accept(seq_id, num_acc, False)
                 stats.num_drafts += 1
                 stats.num_draft_tokens += len(draft_ids)
