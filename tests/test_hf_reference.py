@@ -54,14 +54,17 @@ def test_fp32_greedy_64_tokens_identical_to_transformers_on_10_dev_prompts(hf):
         assert out.token_ids == ref[0, ids.shape[1]:].tolist()
 
 
-def test_parity_command_reports_fp32_agreement_and_quantized_deviation(capsys):
+def test_parity_command_reports_fp32_agreement_and_quantized_deviation(capsys, tmp_path):
     """`speculant parity` prints a table and a JSON last line; fp32 agrees with transformers to
     rounding, the shipped quantized weights deviate measurably (int8 activation blocks)."""
     import json
 
     from speculant.cli import main
-    assert main(["parity", "--categories", "qa", "--limit", "1", "--max-tokens", "8",
-                 "--dtypes", "float32,auto"]) == 0
+    prompts = tmp_path / "prompts.jsonl"  # its own file: the test runs wherever the repo is
+    prompts.write_text(json.dumps({"id": "q1", "category": "qa", "mode": "chat",
+                                   "turns": ["Who wrote the novel Moby-Dick?"]}) + "\n")
+    assert main(["parity", "--prompts", str(prompts), "--categories", "qa", "--limit", "1",
+                 "--max-tokens", "8", "--dtypes", "float32,auto"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("Parity with transformers fp32")
     result = {r["dtype"]: r for r in json.loads(out[-1])["results"]}
