@@ -99,10 +99,15 @@ class SpeculatorChain:
         `seconds_per_token`: what one token costs in plain decoding, to price model drafters.
         """
         proposals: dict[int, list[Draft]] = {r.seq_id: [] for r in requests}
-        for name, spec in self.speculators.items():
+        # Model drafters last: they cost time per drafted position, so they only run for the
+        # sequences where the model-free proposals leave them something to win.
+        for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
             mine = [r for r in requests if name in self._seqs[r.seq_id].types]
             if spec.is_model_based:
-                mine = self._budget_model_drafts(name, mine, cost_per_token, seconds_per_token)
+                rival = {r.seq_id: self._best(self._seqs[r.seq_id], proposals[r.seq_id],
+                                              r.params.n_min, cost_per_token)[1] for r in mine}
+                mine = self._budget_model_drafts(name, mine, cost_per_token, seconds_per_token,
+                                                 rival)
             if not mine:
                 continue
             t0 = time.perf_counter()
@@ -121,7 +126,7 @@ class SpeculatorChain:
         for seq_id, drafts in proposals.items():
             state = self._seqs[seq_id]
             state.proposers = tuple(d.source for d in drafts)
-            best = self._pick(state, drafts, by_id[seq_id].params.n_min, cost_per_token)
+            best = self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)[0]
             state.winner = best
             if best is None:
                 state.silent_steps += 1
@@ -131,17 +136,21 @@ class SpeculatorChain:
         return winners
 
     def _budget_model_drafts(self, name: str, requests: list[DraftRequest], cost_per_token: float,
-                             seconds_per_token: float) -> list[DraftRequest]:
+                             seconds_per_token: float, rival: dict[int, float]) -> list[DraftRequest]:
         """A model drafter costs time per drafted position whether or not its draft wins: cap
-        each sequence's n_max where expected acceptance stops paying for drafting + verifying
-        (probe with one token after `probe_interval` silent rounds)."""
+        each sequence's n_max where expected acceptance stops paying for drafting + verifying,
+        and skip the sequence when even that cannot beat the net gain `rival[seq_id]` of the
+        best model-free proposal (probe with one token after `probe_interval` silent rounds
+        when nothing else drafts)."""
         draft_cost = self._draft_seconds[name] / seconds_per_token if seconds_per_token > 0 else 0.0
         out = []
         for r in requests:
             state = self._seqs[r.seq_id]
             surv = survival(conditional_rates(self.counts[name], state.counts.get(name), r.params.n_max))
             n = worth_drafting(surv, cost_per_token + draft_cost)
-            if n == 0 and state.silent_steps >= self.probe_interval:
+            if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
+                n = 0
+            if n == 0 and state.silent_steps >= self.probe_interval and rival[r.seq_id] <= 0:
                 n = 1
             if n > 0:
                 out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
@@ -154,8 +163,10 @@ class SpeculatorChain:
             self._draft_seconds[name] = 0.8 * self._draft_seconds[name] + 0.2 * per \
                 if self._draft_seconds[name] else per
 
-    def _pick(self, state: _SeqState, drafts: list[Draft], n_min: int,
-              cost_per_token: float) -> Draft | None:
+    def _best(self, state: _SeqState, drafts: list[Draft], n_min: int,
+              cost_per_token: float) -> tuple[Draft | None, float]:
+        """The draft (trimmed to the length worth verifying) with the highest expected net gain,
+        and that gain (0 without one)."""
         best, best_gain = None, 0.0
         for d in drafts:
             surv = survival(self._rates(state, d))
@@ -167,7 +178,7 @@ class SpeculatorChain:
             gain = net_gain(surv, length, cost_per_token)
             if best is None or gain > best_gain:
                 best, best_gain = d.prefix(length), gain
-        return best
+        return best, best_gain
 
     def _rates(self, state: _SeqState, d: Draft) -> list[float]:
         probs = d.token_probs
