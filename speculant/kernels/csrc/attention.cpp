@@ -4,22 +4,32 @@
 // live at k_cache[block_tables[s][p / block_size], p % block_size]. Query head h reads KV head
 // h / (Hq / Hkv) (grouped-query attention).
 //
+// Partitions: a token's positions are cut at fixed multiples of kPartition. Per partition the
+// softmax numerators give a partial (max, sum of exp, exp-weighted value sum), and the partials
+// are merged in partition order. The cuts never depend on the batch, so neither does the result;
+// they let one long context be shared between threads, each reading its own part of the cache
+// once (a single decode token used to split its query heads instead, and every thread read the
+// whole cache: at context 3000 a decode token's attention took 1.4x as long).
+//
 // Work units: a run of up to kRunTokens consecutive batch tokens of one sequence (a decode token,
 // a verification chunk, a slice of a prompt) x one KV head x the query heads of its group (or a
-// slice of them when there are too few units to share between threads). A unit computes the
+// slice of them when there are too few units to share between threads), over all partitions,
+// or over one partition when few runs have long contexts (attend_split). A unit computes the
 // scores of all its queries one 8-position chunk at a time, so each K row comes from memory once
 // and is reused from L1 by every query of the unit; the V rows of a token are shared by its heads.
 // K and V rows are prefetched ahead: the cache is read from DRAM at every step (the weights
 // streamed in between evict it), and its block boundaries are jumps hardware prefetchers miss.
 //
-// Batch invariance: each (token, head) output is computed by one thread with one fixed sequence
-// of operations (scores in 8-position chunks of one FMA chain each, one max, exp and sum in
-// 8-lane chunks, then the value sum in position order) that never depends on the other queries
-// of its unit, on how the batch was split into units, or on which thread ran it.
+// Batch invariance: each (token, head) output is computed with one fixed sequence of operations
+// (per partition: scores in 8-position chunks of one FMA chain each, one max, exp and sum in
+// 8-lane chunks, the value sum in position order; then the merge in partition order) that never
+// depends on the other queries of its unit, on how the batch was split into units, or on which
+// thread ran it.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -31,6 +41,10 @@ namespace speculant {
 namespace {
 
 constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scratch and work
+// Positions per partition: the softmax runs over fixed partitions [i * kPartition, ...) of every
+// token's positions, merged at the end, so a long context splits between threads without the
+// result depending on the split (a multiple of 8).
+constexpr int64_t kPartition = 256;
 constexpr int kHeadTile = 3;       // query heads sharing each loaded V row
 constexpr int64_t kPrefetchAhead = 16;  // positions between a row's prefetch and its use
 // Below this many (position, query head) pairs, ~5 us of work, one thread does it all.
@@ -55,20 +69,26 @@ struct Unit {
 
 // Per-thread scratch, reused across units and calls.
 struct Scratch {
-  std::vector<float> scores;                 // [queries of the unit, max length rounded up to 8]
-  std::vector<const float*> k_rows, v_rows;  // [max length] position p's K / V row
+  std::vector<float> scores;                 // [queries of the unit, kPartition]
+  std::vector<const float*> k_rows, v_rows;  // [kPartition] position p's K / V row
+  std::vector<const float*> q_rows;          // [queries of the unit] q row of query j
+  std::vector<int64_t> q_last;               // [queries of the unit] its last position
+  std::vector<int64_t> base;                 // attend_unit's partials: [tokens of the unit]
+  std::vector<float> acc, max, sum;          // [tokens x partitions x Hq (x D)]
 };
 
-// Row pointers of positions 0..L-1 for KV head kvh, walking the block table (no division).
-void gather_rows(const Problem& pb, const int32_t* table, int64_t kvh, int64_t L, Scratch& sc) {
-  sc.k_rows.resize(L);
-  sc.v_rows.resize(L);
+// Row pointers of positions [p_begin, p_end) for KV head kvh (entry 0 = p_begin).
+void gather_rows(const Problem& pb, const int32_t* table, int64_t kvh, int64_t p_begin,
+                 int64_t p_end, Scratch& sc) {
+  sc.k_rows.resize(p_end - p_begin);
+  sc.v_rows.resize(p_end - p_begin);
   const int64_t row_stride = pb.num_kv_heads * pb.head_dim;
-  for (int64_t p0 = 0, b = 0; p0 < L; p0 += pb.block_size, ++b) {
+  for (int64_t p = p_begin; p < p_end;) {
+    const int64_t b = p / pb.block_size;
     const int64_t base = (table[b] * pb.block_size * pb.num_kv_heads + kvh) * pb.head_dim;
-    for (int64_t r = 0; r < pb.block_size && p0 + r < L; ++r) {
-      sc.k_rows[p0 + r] = pb.k + base + r * row_stride;
-      sc.v_rows[p0 + r] = pb.v + base + r * row_stride;
+    for (int64_t r = p % pb.block_size; r < pb.block_size && p < p_end; ++r, ++p) {
+      sc.k_rows[p - p_begin] = pb.k + base + r * row_stride;
+      sc.v_rows[p - p_begin] = pb.v + base + r * row_stride;
     }
   }
 }
@@ -99,13 +119,14 @@ void scores8(const float* q, const float* const* k, int64_t D, float scale, floa
 }
 
 // Scores [L rounded up to 8] -> exp(s - max) in place (positions >= L become exactly 0); returns
-// their sum.
-float softmax_numerators(float* s, int64_t L) {
+// their sum and stores the max in *max_out.
+float softmax_numerators(float* s, int64_t L, float* max_out) {
   const int64_t L8 = (L + 7) / 8 * 8;
   std::fill(s + L, s + L8, -std::numeric_limits<float>::infinity());
   __m256 vmax = _mm256_loadu_ps(s);
   for (int64_t p = 8; p < L8; p += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + p));
-  vmax = _mm256_set1_ps(hmax(vmax));
+  *max_out = hmax(vmax);
+  vmax = _mm256_set1_ps(*max_out);
   __m256 vsum = _mm256_setzero_ps();
   for (int64_t p = 0; p < L8; p += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + p), vmax));
@@ -151,81 +172,149 @@ void values(const float* const* v_rows, const float* const* probs, int64_t n, in
   for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1>(v_rows, probs, n, d0, outs);
 }
 
-void divide(float* out, int64_t D, float denom) {
-  const __m256 den = _mm256_set1_ps(denom);
-  for (int64_t d = 0; d < D; d += 8) {
-    _mm256_storeu_ps(out + d, _mm256_div_ps(_mm256_loadu_ps(out + d), den));
+// Partials of one (token, query head) over one partition of its positions: the running max of
+// its scores, the sum of exp(score - max), and the exp-weighted value sum [D].
+struct Partials {
+  float* acc;         // [entries, D]
+  float* max;         // [entries]
+  float* sum;         // [entries]
+  const int64_t* base;  // base[t - shift] = first entry row of token t (one row per partition)
+  int64_t shift, num_heads, head_dim;
+  int64_t entry(int64_t t, int64_t part, int64_t head) const {
+    return (base[t - shift] + part) * num_heads + head;
   }
-}
+};
 
-void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
+// Positions [part * kPartition, ...) of the unit's queries (token t attends to 0..pos[t]): the
+// scores of every query, chunk by chunk (each chunk's K rows come from memory once and serve
+// every query of the unit); then per token its heads' softmax numerators and exp-weighted value
+// sums, heads in tiles that share each V row load. The V rows are prefetched along with the K
+// rows, so the value sums find them in cache.
+void attend_partition(const Problem& pb, const Unit& u, int64_t part, Scratch& sc,
+                      const Partials& out) {
   const int64_t D = pb.head_dim, Hq = pb.num_heads;
   const int64_t group = Hq / pb.num_kv_heads, heads = u.h1 - u.h0;
+  const int64_t p_begin = part * kPartition;
+  int64_t p_end = p_begin;  // one past the last position any query of the unit reads here
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    p_end = std::max<int64_t>(p_end, std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition));
+  }
+  const int64_t n_max = p_end - p_begin;
+  if (n_max <= 0) return;
   const int64_t num_queries = (u.t1 - u.t0) * heads;
-  int64_t L_max = 0;
-  for (int64_t t = u.t0; t < u.t1; ++t) L_max = std::max<int64_t>(L_max, pb.pos[t] + 1);
-  const int64_t stride = (L_max + 7) / 8 * 8;  // one query's scores in the scratch
-  gather_rows(pb, pb.tables + pb.seq[u.t0] * pb.max_blocks, u.kvh, L_max, sc);
+  const int64_t stride = (n_max + 7) / 8 * 8;  // one query's scores in the scratch
+  gather_rows(pb, pb.tables + pb.seq[u.t0] * pb.max_blocks, u.kvh, p_begin, p_end, sc);
   sc.scores.resize(num_queries * stride);
   float* scores = sc.scores.data();
-  // query j = (token u.t0 + j / heads, head kvh * group + u.h0 + j % heads), in q / out at:
-  auto offset = [&](int64_t j) {
-    return ((u.t0 + j / heads) * Hq + u.kvh * group + u.h0 + j % heads) * D;
-  };
-  // 1) scores of every query, chunk by chunk (each chunk's K rows come from memory once);
-  //    chunks past a query's own length are skipped. The V rows are prefetched along with the
-  //    K rows, so the value sums find them in cache.
-  for (int64_t p = 0; p < std::min(kPrefetchAhead, L_max); ++p) {
+  // query j = (token u.t0 + j / heads, head kvh * group + u.h0 + j % heads): its q row and its
+  // last position relative to p_begin (no divisions in the loops below)
+  sc.q_rows.resize(num_queries);
+  sc.q_last.resize(num_queries);
+  for (int64_t t = u.t0, j = 0; t < u.t1; ++t) {
+    for (int64_t h = 0; h < heads; ++h, ++j) {
+      sc.q_rows[j] = pb.q + (t * Hq + u.kvh * group + u.h0 + h) * D;
+      sc.q_last[j] = pb.pos[t] - p_begin;
+    }
+  }
+  for (int64_t p = 0; p < std::min(kPrefetchAhead, n_max); ++p) {
     prefetch_row(sc.k_rows[p], D);
     prefetch_row(sc.v_rows[p], D);
   }
-  for (int64_t p0 = 0; p0 < L_max; p0 += 8) {
+  for (int64_t p0 = 0; p0 < n_max; p0 += 8) {
     const float* k[8];
     for (int i = 0; i < 8; ++i) {
-      k[i] = sc.k_rows[std::min(p0 + i, L_max - 1)];  // past the end: repeat, overwritten later
-      if (p0 + kPrefetchAhead + i < L_max) {
+      k[i] = sc.k_rows[std::min(p0 + i, n_max - 1)];  // past the end: repeat, overwritten later
+      if (p0 + kPrefetchAhead + i < n_max) {
         prefetch_row(sc.k_rows[p0 + kPrefetchAhead + i], D);
         prefetch_row(sc.v_rows[p0 + kPrefetchAhead + i], D);
       }
     }
+    // queries in pairs; a query past its last position computes scores it never reads (p0 is
+    // then at or beyond its length rounded up to 8)
     for (int64_t j = 0; j < num_queries; ++j) {
-      if (p0 <= pb.pos[u.t0 + j / heads]) {
-        scores8(pb.q + offset(j), k, D, pb.scale, scores + j * stride + p0);
-      }
+      if (p0 <= sc.q_last[j]) scores8(sc.q_rows[j], k, D, pb.scale, scores + j * stride + p0);
     }
   }
-  // 2) per token: softmax of each head over the token's own positions, then the
-  //    probability-weighted values, heads in tiles that share each V row load
   for (int64_t t = u.t0; t < u.t1; ++t) {
-    const int64_t L = pb.pos[t] + 1;
+    const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
+    if (n <= 0) continue;
     const int64_t j0 = (t - u.t0) * heads;
     for (int64_t h0 = 0; h0 < heads; h0 += kHeadTile) {
       const int nq = static_cast<int>(std::min<int64_t>(kHeadTile, heads - h0));
       const float* probs[kHeadTile];
-      float denoms[kHeadTile];
-      float* outs[kHeadTile];
+      float* accs[kHeadTile];
       for (int i = 0; i < nq; ++i) {
         float* s = scores + (j0 + h0 + i) * stride;
-        denoms[i] = softmax_numerators(s, L);
+        const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h0 + i);
+        out.sum[e] = softmax_numerators(s, n, &out.max[e]);
         probs[i] = s;
-        outs[i] = pb.out + offset(j0 + h0 + i);
+        accs[i] = out.acc + e * D;
       }
       const float* const* v_rows = sc.v_rows.data();
       if (nq == 3) {
-        values<3>(v_rows, probs, L, D, outs);
+        values<3>(v_rows, probs, n, D, accs);
       } else if (nq == 2) {
-        values<2>(v_rows, probs, L, D, outs);
+        values<2>(v_rows, probs, n, D, accs);
       } else {
-        values<1>(v_rows, probs, L, D, outs);
+        values<1>(v_rows, probs, n, D, accs);
       }
-      for (int i = 0; i < nq; ++i) divide(outs[i], D, denoms[i]);
     }
   }
 }
 
-// Splits the batch into units (see the top of the file), latest tokens (longest contexts) first
-// so that dynamic claiming balances the threads.
-std::vector<Unit> make_units(const Problem& pb, int64_t T, int64_t threads) {
+// out = sum_i w_i acc_i / sum_i w_i sum_i over the token's partitions i in ascending order, with
+// w_i = exp(max_i - max over all); one partition gives acc / sum, the plain softmax.
+void merge(const Partials& in, int64_t t, int64_t head, int64_t num_parts, float* dst) {
+  const int64_t D = in.head_dim;
+  float m = in.max[in.entry(t, 0, head)];
+  for (int64_t i = 1; i < num_parts; ++i) m = std::max(m, in.max[in.entry(t, i, head)]);
+  float denom = 0.0f;
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 o = _mm256_setzero_ps();
+    for (int64_t i = 0; i < num_parts; ++i) {
+      const int64_t e = in.entry(t, i, head);
+      const float w = std::exp(in.max[e] - m);
+      o = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(in.acc + e * D + d), o);
+    }
+    _mm256_storeu_ps(dst + d, o);
+  }
+  for (int64_t i = 0; i < num_parts; ++i) {
+    const int64_t e = in.entry(t, i, head);
+    denom += std::exp(in.max[e] - m) * in.sum[e];
+  }
+  const __m256 den = _mm256_set1_ps(denom);
+  for (int64_t d = 0; d < D; d += 8) {
+    _mm256_storeu_ps(dst + d, _mm256_div_ps(_mm256_loadu_ps(dst + d), den));
+  }
+}
+
+int64_t num_partitions(const Problem& pb, int64_t t) {
+  return (pb.pos[t] + kPartition) / kPartition;  // partitions covering 0..pos[t]
+}
+
+// A whole unit: every partition of its tokens into its own scratch, then the merged outputs.
+void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
+  const int64_t D = pb.head_dim, Hq = pb.num_heads, group = Hq / pb.num_kv_heads;
+  int64_t parts_max = 0;
+  for (int64_t t = u.t0; t < u.t1; ++t) parts_max = std::max(parts_max, num_partitions(pb, t));
+  const int64_t rows = (u.t1 - u.t0) * parts_max;
+  sc.base.resize(u.t1 - u.t0);
+  for (int64_t t = u.t0; t < u.t1; ++t) sc.base[t - u.t0] = (t - u.t0) * parts_max;
+  sc.acc.resize(rows * Hq * D);
+  sc.max.resize(rows * Hq);
+  sc.sum.resize(rows * Hq);
+  const Partials partials{sc.acc.data(), sc.max.data(), sc.sum.data(), sc.base.data(), u.t0, Hq,
+                          D};
+  for (int64_t part = 0; part < parts_max; ++part) attend_partition(pb, u, part, sc, partials);
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    for (int64_t h = u.kvh * group + u.h0; h < u.kvh * group + u.h1; ++h) {
+      merge(partials, t, h, num_partitions(pb, t), pb.out + (t * Hq + h) * D);
+    }
+  }
+}
+
+// Runs of up to kRunTokens consecutive batch tokens of one sequence.
+std::vector<Unit> make_runs(const Problem& pb, int64_t T) {
   std::vector<Unit> runs;
   for (int64_t t0 = 0; t0 < T;) {
     int64_t t1 = t0 + 1;
@@ -233,9 +322,14 @@ std::vector<Unit> make_units(const Problem& pb, int64_t T, int64_t threads) {
     runs.push_back({t0, t1, 0, 0, 0});
     t0 = t1;
   }
+  return runs;
+}
+
+// Units = run x KV head x a slice of its group's query heads, latest tokens (longest contexts)
+// first so that dynamic claiming balances the threads. Heads are sliced only when there are too
+// few units for the threads (a decode token at a short context).
+std::vector<Unit> make_units(const Problem& pb, const std::vector<Unit>& runs, int64_t wanted) {
   const int64_t group = pb.num_heads / pb.num_kv_heads;
-  // too few units for the threads (a single decode token): split the query heads of each group
-  const int64_t wanted = 2 * threads;
   const int64_t per_kv = static_cast<int64_t>(runs.size()) * pb.num_kv_heads;
   const int64_t slices = std::min(group, std::max<int64_t>(1, (wanted + per_kv - 1) / per_kv));
   const int64_t slice = (group + slices - 1) / slices;
@@ -248,6 +342,43 @@ std::vector<Unit> make_units(const Problem& pb, int64_t T, int64_t threads) {
     }
   }
   return units;
+}
+
+// Few runs (one sequence decoding or verifying): the partitions of each (run, KV head) go to
+// different threads, their partials to a shared buffer, merged in a second pass. Same partials,
+// same merge: the outputs are bit-identical to attend_unit's.
+void attend_split(const Problem& pb, const std::vector<Unit>& runs, int64_t T) {
+  const int64_t D = pb.head_dim, Hq = pb.num_heads;
+  std::vector<int64_t> base(T + 1, 0);
+  for (int64_t t = 0; t < T; ++t) base[t + 1] = base[t] + num_partitions(pb, t);
+  std::vector<float> acc(base[T] * Hq * D), mx(base[T] * Hq), sm(base[T] * Hq);
+  const Partials partials{acc.data(), mx.data(), sm.data(), base.data(), 0, Hq, D};
+  struct Work {
+    Unit unit;
+    int64_t part;
+  };
+  std::vector<Work> work;
+  for (auto r = runs.rbegin(); r != runs.rend(); ++r) {
+    int64_t parts_max = 0;
+    for (int64_t t = r->t0; t < r->t1; ++t) parts_max = std::max(parts_max, num_partitions(pb, t));
+    for (int64_t part = parts_max - 1; part >= 0; --part) {
+      for (int64_t kvh = 0; kvh < pb.num_kv_heads; ++kvh) {
+        work.push_back({{r->t0, r->t1, kvh, 0, Hq / pb.num_kv_heads}, part});
+      }
+    }
+  }
+  parallel_for(static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      attend_partition(pb, work[i].unit, work[i].part, scratch, partials);
+    }
+  });
+  parallel_for(T * Hq, balanced_chunk(T * Hq, 8), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / Hq, h = i % Hq;
+      merge(partials, t, h, num_partitions(pb, t), pb.out + (t * Hq + h) * D);
+    }
+  });
 }
 
 void check(bool ok, const char* what) {
@@ -301,7 +432,15 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
     num_positions += pb.pos[t] + 1;
   }
   const bool parallel = num_positions * Hq >= kMinParallelWork;
-  const std::vector<Unit> units = make_units(pb, T, parallel ? pool_threads() : 1);
+  const int64_t wanted = parallel ? 2 * pool_threads() : 1;
+  const std::vector<Unit> runs = make_runs(pb, T);
+  const bool long_context = num_positions > static_cast<int64_t>(runs.size()) * kPartition;
+  if (parallel && long_context &&
+      static_cast<int64_t>(runs.size()) * pb.num_kv_heads < wanted * 2) {
+    attend_split(pb, runs, T);
+    return out;
+  }
+  const std::vector<Unit> units = make_units(pb, runs, wanted);
   const int64_t num_units = static_cast<int64_t>(units.size());
   parallel_for(num_units, parallel ? 1 : num_units, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
