@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV cache capacity in tokens")
+    g.add_argument("--kv-dtype", default="auto", choices=["auto", "float16", "float32"],
+                   help="KV cache element type: float16 halves its memory and attention's reads; "
+                        "auto = float32 with --dtype float32, else float16")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per forward")
     s = p.add_argument_group("speculation")
     s.add_argument("--spec-type", default="none",
@@ -37,7 +40,8 @@ def engine_options(args, max_num_seqs: int) -> dict:
 
     return dict(
         dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
-        kv_cache_tokens=args.kv_cache_tokens, max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens, kv_dtype=args.kv_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=max_num_seqs, spec_type=parse_spec_types(args.spec_type),
         spec_n_max=args.spec_n_max, spec_n_min=args.spec_n_min, spec_p_min=args.spec_p_min,
         draft_model=args.draft_model, spec_options=parse_spec_options(args.spec_option),

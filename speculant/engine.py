@@ -20,6 +20,7 @@ import torch
 
 from speculant.engine_config import EngineConfig
 from speculant.forward_batch import SeqChunk, build_forward_batch
+from speculant.kv_cache import KV_DTYPES
 from speculant.loader import load_model
 from speculant.model import Model
 from speculant.sampler import Sampler
@@ -73,7 +74,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.cache = self.model.new_kv_cache(
-            -(-config.kv_cache_tokens // config.block_size), config.block_size)
+            -(-config.kv_cache_tokens // config.block_size), config.block_size,
+            KV_DTYPES[config.kv_dtype])
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_queue)
         self.eos_token_ids = {t for t in (self.tokenizer.eos_token_id,) if t is not None}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from speculant.kv_cache import KV_DTYPES
 from speculant.loader import DTYPES
 
 
@@ -25,6 +26,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks are cut to fit)
     max_model_len: int | None = None  # None = the model's context length
     kv_cache_tokens: int = 32768  # KV capacity shared by all sequences
+    # KV cache element type: float16 (llama.cpp's default too) or float32; auto = float32 with
+    # float32 weights (reference numerics, as transformers computes), else float16
+    kv_dtype: str = "auto"
     block_size: int = 16
     # Speculation: speculators loaded (the chain), and the default draft limits per request.
     spec_type: list[str] = field(default_factory=list)
@@ -39,6 +43,11 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.spec_type = parse_spec_types(self.spec_type)
+        if self.kv_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(f"kv_dtype must be auto or one of {tuple(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
+        if self.kv_dtype == "auto":
+            self.kv_dtype = "float32" if self.dtype == "float32" else "float16"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",

@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 
+# Element types a cache can hold, by the name the CLI and configs use. float16 halves the memory
+# and the bytes attention reads per step; K and V are rounded to it when written.
+KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
 class CacheFullError(RuntimeError):
     """Not enough free blocks; the caller should wait or refuse the request."""
 

@@ -21,8 +21,10 @@ def run_cli(*args, check=True):
     return proc
 
 
-def test_generate_json_prints_one_object_with_the_contract_fields():
-    out = run_cli("generate", "Say hi.", "--max-tokens", "8", "--json").stdout.strip().splitlines()
+@pytest.mark.parametrize("extra", [[], ["--kv-dtype", "float32"]])
+def test_generate_json_prints_one_object_with_the_contract_fields(extra):
+    out = run_cli("generate", "Say hi.", "--max-tokens", "8", "--json",
+                  *extra).stdout.strip().splitlines()
     assert len(out) == 1
     obj = json.loads(out[0])
     assert FIELDS <= set(obj) and SPEC_FIELDS <= set(obj["spec"])

@@ -1,5 +1,6 @@
 """The engine on the default model: batching invariance, stopping, seeds, abort, bad input."""
 import pytest
+import torch
 
 from conftest import decode_all
 from speculant.sampling_params import SamplingParams, SpecParams
@@ -55,7 +56,8 @@ def test_max_tokens_and_length_finish(default_engine):
 
 
 def test_eos_stops_generation(default_engine):
-    s = run(default_engine, [PROMPTS[4]], SamplingParams(max_tokens=200, temperature=0.0, spec=PLAIN))[0]
+    # a prompt the model answers in ~25 tokens with either KV cache type
+    s = run(default_engine, [PROMPTS[3]], SamplingParams(max_tokens=200, temperature=0.0, spec=PLAIN))[0]
     assert s.finish_reason == "stop" and s.output_ids[-1] == default_engine.tokenizer.eos_token_id
 
 
@@ -127,3 +129,25 @@ def test_stop_string_token_count_does_not_depend_on_speculation(default_engine):
         outs[label] = (s.output_ids, default_engine.output_text(s), s.finish_reason)
     assert outs["plain"] == outs["spec"]
     assert outs["spec"][2] == "stop"  # the model does repeat the text: the stop string is hit
+
+
+@pytest.mark.parametrize("overrides, kv_dtype", [
+    ({}, "float16"),  # quantized weights: an fp16 cache, as llama.cpp's default
+    ({"dtype": "float32"}, "float32"),  # reference numerics keep a float32 cache
+    ({"dtype": "float32", "kv_dtype": "float16"}, "float16"),
+])
+def test_kv_dtype_auto_follows_the_weights(overrides, kv_dtype):
+    from speculant.engine_config import EngineConfig
+
+    assert EngineConfig(**overrides).kv_dtype == kv_dtype
+
+
+def test_bad_kv_dtype_is_named():
+    from speculant.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_dtype must be auto or one of.*'bfloat8'"):
+        EngineConfig(kv_dtype="bfloat8")
+
+
+def test_default_engine_keeps_an_fp16_cache(default_engine):
+    assert all(k.dtype == torch.float16 for k in default_engine.cache.k + default_engine.cache.v)

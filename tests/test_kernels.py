@@ -661,3 +661,49 @@ def test_paged_attention_long_contexts_cross_partitions(native):
         alone = paged_attention(q[t:t + 1], k_cache, v_cache, tables[token_seq[t]][None],
                                 torch.zeros(1, dtype=torch.int32), token_pos[t:t + 1], 0.125)
         assert torch.equal(bits(alone), bits(out[t:t + 1])), f"token {t}"
+
+
+# ---- float16 KV cache --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["plain", "bias"])
+def test_rope_write_kv_into_fp16_cache_rounds_to_nearest(variant, native):
+    """An fp16 cache receives exactly the float32 rows rounded to nearest (torch's .half()),
+    and q is the same as with a float32 cache."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 16
+    qkv, cos, sin, positions, slots = make_rope_batch()
+    bias = torch.randn(qkv.shape[1]) if variant == "bias" else None
+    caches32 = [torch.zeros(8, 4, num_kv_heads, head_dim) for _ in range(2)]
+    caches16 = [torch.zeros(8, 4, num_kv_heads, head_dim, dtype=torch.float16) for _ in range(2)]
+    q32 = rope_write_kv(qkv, bias, None, None, 1e-6, cos, sin, positions, *caches32, slots,
+                        num_heads, native=native)
+    q16 = rope_write_kv(qkv, bias, None, None, 1e-6, cos, sin, positions, *caches16, slots,
+                        num_heads, native=native)
+    assert torch.equal(bits(q16), bits(q32))
+    for c16, c32 in zip(caches16, caches32):
+        assert c16.dtype == torch.float16
+        assert torch.equal(c16.view(torch.int16), c32.half().view(torch.int16))
+
+
+def test_paged_attention_over_fp16_cache(native):
+    """Attention reads an fp16 cache as its exact float32 values: the fp64 reference over the
+    upcast cache within 1e-5; natively, each token bit-identical alone and in the batch."""
+    q, k_cache, v_cache, tables, seq, pos, scale = make_paged_batch()
+    k16, v16 = k_cache.half(), v_cache.half()
+    out = paged_attention(q, k16, v16, tables, seq, pos, scale, native=native)
+    ref = reference_attention(q, k16.float(), v16.float(), tables, seq, pos, scale)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    if native:
+        upcast = paged_attention(q, k16.float(), v16.float(), tables, seq, pos, scale)
+        assert torch.equal(bits(out), bits(upcast))  # same maths, only the loads differ
+        for t in range(q.shape[0]):
+            alone = paged_attention(q[t:t + 1], k16, v16, tables[seq[t]][None],
+                                    torch.zeros(1, dtype=torch.int32), pos[t:t + 1], scale)
+            assert torch.equal(bits(alone), bits(out[t:t + 1])), f"token {t}"
+
+
+def test_paged_attention_rejects_mixed_cache_types():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    q, k_cache, v_cache, tables, seq, pos, scale = make_paged_batch()
+    with pytest.raises(RuntimeError, match="both float32 or both float16"):
+        paged_attention(q, k_cache.half(), v_cache, tables, seq, pos, scale, native=True)

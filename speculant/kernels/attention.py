@@ -10,8 +10,8 @@ FALLBACK_TOKEN_CHUNK = 64  # query tokens gathered at once by the fallback (boun
 
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D] float32
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
-    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32 or float16
+    v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32 or float16
     block_tables: torch.Tensor,  # [S, max_blocks] int32, row s = cache blocks of sequence s
     token_seq: torch.Tensor,  # [T] int32, row of block_tables for each query token
     token_pos: torch.Tensor,  # [T] int32, position of each query token in its sequence
@@ -66,8 +66,8 @@ def _attend_chunk(q, k_cache, v_cache, block_tables, seq, pos, scale) -> torch.T
     p = torch.arange(length, device=q.device)  # [L]
     blocks = block_tables.long()[seq][:, p // block_size]  # [T, L]
     slots = blocks * block_size + p % block_size  # [T, L]
-    k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # [T, L, Hkv, D]
-    v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]
+    k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(q.dtype)  # [T, L, Hkv, D]
+    v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(q.dtype)
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # [T, Hkv, group, D]
     scores = torch.einsum("tkgd,tlkd->tkgl", qg, k) * scale  # [T, Hkv, group, L]
     future = p[None, :] > pos[:, None]  # [T, L]

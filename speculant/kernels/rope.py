@@ -31,8 +31,8 @@ def rope_write_kv(
     cos: torch.Tensor,  # [max_positions, head_dim] from rope_cos_sin
     sin: torch.Tensor,  # [max_positions, head_dim]
     positions: torch.Tensor,  # [T] int64 (or int32), each token's position in its sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32, written
-    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] float32, written
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32/fp16, written
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32/fp16, written
     slot_mapping: torch.Tensor,  # [T] int64 (or int32), flat cache slot of each token
     num_heads: int,
     *,
@@ -65,7 +65,9 @@ def rope_write_kv(
     c = cos[positions].unsqueeze(1)  # [T, 1, head_dim]
     s = sin[positions].unsqueeze(1)
     slots = slot_mapping.long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, apply_rope(k, c, s))
+    # an fp16 cache stores k and v rounded to nearest (ties to even), as the native path does
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, slots, apply_rope(k, c, s).to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slots, v.reshape(num_tokens, num_kv_heads, head_dim))
+        0, slots, v.reshape(num_tokens, num_kv_heads, head_dim).to(v_cache.dtype))
     return apply_rope(q, c, s).contiguous()

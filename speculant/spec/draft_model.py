@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from speculant.forward_batch import SeqChunk, build_forward_batch
-from speculant.kv_cache import CacheFullError
+from speculant.kv_cache import KV_DTYPES, CacheFullError
 from speculant.spec.base import Draft, DraftRequest, Speculator, SpeculatorContext, register
 from speculant.spec.draft_vocab import head_token_ids, read_ranking
 from speculant.spec.ngram_match import common_prefix_len
@@ -33,6 +33,7 @@ class DraftModelConfig:
     """- model: path of the draft model (GGUF or HF folder); empty = the engine's --draft-model.
     - dtype: weights of the draft (auto keeps GGUF quantization).
     - kv_cache_tokens: capacity of the shared draft KV cache (all sequences).
+    - kv_dtype: its element type, float16 or float32.
     - max_chunk_tokens: longest catch-up evaluated in one draft forward (long prompts are
       mirrored over several rounds; the sequence drafts once it has caught up).
     - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their probabilities.
@@ -46,6 +47,7 @@ class DraftModelConfig:
     model: str = ""
     dtype: str = "auto"
     kv_cache_tokens: int = 32768
+    kv_dtype: str = "float16"
     block_size: int = 16
     max_chunk_tokens: int = 1024
     temperature: float = 0.0
@@ -56,6 +58,9 @@ class DraftModelConfig:
         if self.lm_head_tokens < -1:
             raise ValueError(f"draft: lm_head_tokens must be >= 0 (or -1: as trained), "
                              f"got {self.lm_head_tokens}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"draft: kv_dtype must be one of {tuple(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
         for name in ("kv_cache_tokens", "block_size", "max_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"draft: {name} must be >= 1, got {getattr(self, name)}")
@@ -81,7 +86,7 @@ class DraftModelSpeculator(Speculator):
         self.tokenizer = tokenizer
         self.max_positions = model.config.max_position_embeddings
         self.cache = model.new_kv_cache(-(-config.kv_cache_tokens // config.block_size),
-                                        config.block_size)
+                                        config.block_size, KV_DTYPES[config.kv_dtype])
         self.vocab_size = min(ctx.vocab_size, model.config.vocab_size)
         self.eos_token_ids = frozenset(ctx.eos_token_ids)
         # [n] int64: the token of each column of the draft's logits; None = column i is token i

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -50,10 +51,12 @@ constexpr int64_t kPrefetchAhead = 16;  // positions between a row's prefetch an
 // Below this many (position, query head) pairs, ~5 us of work, one thread does it all.
 constexpr int64_t kMinParallelWork = 512;
 
+// KV: the cache's element type, float or uint16_t (fp16 bit patterns, converted on load).
+template <typename KV>
 struct Problem {
   const float* q;          // [T, Hq, D]
-  const float* k;          // [num_blocks, block_size, Hkv, D]
-  const float* v;          // [num_blocks, block_size, Hkv, D]
+  const KV* k;             // [num_blocks, block_size, Hkv, D]
+  const KV* v;             // [num_blocks, block_size, Hkv, D]
   const int32_t* tables;   // [S, max_blocks]
   const int32_t* seq;      // [T]
   const int32_t* pos;      // [T]
@@ -68,9 +71,10 @@ struct Unit {
 };
 
 // Per-thread scratch, reused across units and calls.
+template <typename KV>
 struct Scratch {
   std::vector<float> scores;                 // [queries of the unit, kPartition]
-  std::vector<const float*> k_rows, v_rows;  // [kPartition] position p's K / V row
+  std::vector<const KV*> k_rows, v_rows;     // [kPartition] position p's K / V row
   std::vector<const float*> q_rows;          // [queries of the unit] q row of query j
   std::vector<int64_t> q_last;               // [queries of the unit] its last position
   std::vector<int64_t> base;                 // attend_unit's partials: [tokens of the unit]
@@ -78,8 +82,9 @@ struct Scratch {
 };
 
 // Row pointers of positions [p_begin, p_end) for KV head kvh (entry 0 = p_begin).
-void gather_rows(const Problem& pb, const int32_t* table, int64_t kvh, int64_t p_begin,
-                 int64_t p_end, Scratch& sc) {
+template <typename KV>
+void gather_rows(const Problem<KV>& pb, const int32_t* table, int64_t kvh, int64_t p_begin,
+                 int64_t p_end, Scratch<KV>& sc) {
   sc.k_rows.resize(p_end - p_begin);
   sc.v_rows.resize(p_end - p_begin);
   const int64_t row_stride = pb.num_kv_heads * pb.head_dim;
@@ -94,20 +99,22 @@ void gather_rows(const Problem& pb, const int32_t* table, int64_t kvh, int64_t p
 }
 
 // Prefetches a row of D floats, one 64-byte line at a time.
-inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) {
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t D) {
+  for (int64_t d = 0; d < D; d += 64 / sizeof(KV)) {
     _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
   }
 }
 
 // scores[j] = scale * q . k[j] for j < 8. Each is one FMA chain over D (a multiple of 8)
 // followed by the same hadd tree, so a score never depends on its slot j or on the other rows.
-void scores8(const float* q, const float* const* k, int64_t D, float scale, float* scores) {
+template <typename KV>
+void scores8(const float* q, const KV* const* k, int64_t D, float scale, float* scores) {
   __m256 a[8];
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k[j] + d), a[j]);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), a[j]);
   }
   // 8 vectors -> one vector of their 8 lane sums, slot j = row j
   const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
@@ -140,18 +147,18 @@ float softmax_numerators(float* s, int64_t L, float* max_out) {
 // [d0, d0 + 8 NV): out_q[d] = sum_p probs_q[p] * v_p[d], positions in ascending order. Every
 // 8-feature vector of every query is its own FMA chain, so the result is the same for any NQ, NV
 // or slicing; sharing each loaded V row between queries only saves loads.
-template <int NQ, int NV>
-void values_tile(const float* const* v_rows, const float* const* probs, int64_t n, int64_t d0,
+template <int NQ, int NV, typename KV>
+void values_tile(const KV* const* v_rows, const float* const* probs, int64_t n, int64_t d0,
                  float* const* outs) {
   __m256 acc[NQ][NV];
   for (int j = 0; j < NQ; ++j)
     for (int i = 0; i < NV; ++i) acc[j][i] = _mm256_setzero_ps();
   for (int64_t p = 0; p < n; ++p) {
-    const float* v = v_rows[p] + d0;
+    const KV* v = v_rows[p] + d0;
     for (int j = 0; j < NQ; ++j) {
       const __m256 w = _mm256_set1_ps(probs[j][p]);
       for (int i = 0; i < NV; ++i) {
-        acc[j][i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[j][i]);
+        acc[j][i] = _mm256_fmadd_ps(w, load8(v + 8 * i), acc[j][i]);
       }
     }
   }
@@ -162,14 +169,14 @@ void values_tile(const float* const* v_rows, const float* const* probs, int64_t 
 // All D features of NQ queries, in slices whose NQ * NV accumulators, NV loaded V vectors and
 // the broadcast probability fit the 16 vector registers (a spilled accumulator would chain every
 // FMA through a store and a load), with at least 8 independent FMA chains to hide their latency.
-template <int NQ>
-void values(const float* const* v_rows, const float* const* probs, int64_t n, int64_t D,
+template <int NQ, typename KV>
+void values(const KV* const* v_rows, const float* const* probs, int64_t n, int64_t D,
             float* const* outs) {
   constexpr int kWide = NQ == 1 ? 8 : NQ == 2 ? 4 : 3;  // vectors per slice
   int64_t d0 = 0;
-  for (; d0 + 8 * kWide <= D; d0 += 8 * kWide) values_tile<NQ, kWide>(v_rows, probs, n, d0, outs);
-  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 2>(v_rows, probs, n, d0, outs);
-  for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1>(v_rows, probs, n, d0, outs);
+  for (; d0 + 8 * kWide <= D; d0 += 8 * kWide) values_tile<NQ, kWide, KV>(v_rows, probs, n, d0, outs);
+  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 2, KV>(v_rows, probs, n, d0, outs);
+  for (; d0 + 8 <= D; d0 += 8) values_tile<NQ, 1, KV>(v_rows, probs, n, d0, outs);
 }
 
 // Partials of one (token, query head) over one partition of its positions: the running max of
@@ -190,7 +197,8 @@ struct Partials {
 // every query of the unit); then per token its heads' softmax numerators and exp-weighted value
 // sums, heads in tiles that share each V row load. The V rows are prefetched along with the K
 // rows, so the value sums find them in cache.
-void attend_partition(const Problem& pb, const Unit& u, int64_t part, Scratch& sc,
+template <typename KV>
+void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratch<KV>& sc,
                       const Partials& out) {
   const int64_t D = pb.head_dim, Hq = pb.num_heads;
   const int64_t group = Hq / pb.num_kv_heads, heads = u.h1 - u.h0;
@@ -221,7 +229,7 @@ void attend_partition(const Problem& pb, const Unit& u, int64_t part, Scratch& s
     prefetch_row(sc.v_rows[p], D);
   }
   for (int64_t p0 = 0; p0 < n_max; p0 += 8) {
-    const float* k[8];
+    const KV* k[8];
     for (int i = 0; i < 8; ++i) {
       k[i] = sc.k_rows[std::min(p0 + i, n_max - 1)];  // past the end: repeat, overwritten later
       if (p0 + kPrefetchAhead + i < n_max) {
@@ -250,7 +258,7 @@ void attend_partition(const Problem& pb, const Unit& u, int64_t part, Scratch& s
         probs[i] = s;
         accs[i] = out.acc + e * D;
       }
-      const float* const* v_rows = sc.v_rows.data();
+      const KV* const* v_rows = sc.v_rows.data();
       if (nq == 3) {
         values<3>(v_rows, probs, n, D, accs);
       } else if (nq == 2) {
@@ -288,12 +296,14 @@ void merge(const Partials& in, int64_t t, int64_t head, int64_t num_parts, float
   }
 }
 
-int64_t num_partitions(const Problem& pb, int64_t t) {
+template <typename KV>
+int64_t num_partitions(const Problem<KV>& pb, int64_t t) {
   return (pb.pos[t] + kPartition) / kPartition;  // partitions covering 0..pos[t]
 }
 
 // A whole unit: every partition of its tokens into its own scratch, then the merged outputs.
-void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
+template <typename KV>
+void attend_unit(const Problem<KV>& pb, const Unit& u, Scratch<KV>& sc) {
   const int64_t D = pb.head_dim, Hq = pb.num_heads, group = Hq / pb.num_kv_heads;
   int64_t parts_max = 0;
   for (int64_t t = u.t0; t < u.t1; ++t) parts_max = std::max(parts_max, num_partitions(pb, t));
@@ -314,7 +324,8 @@ void attend_unit(const Problem& pb, const Unit& u, Scratch& sc) {
 }
 
 // Runs of up to kRunTokens consecutive batch tokens of one sequence.
-std::vector<Unit> make_runs(const Problem& pb, int64_t T) {
+template <typename KV>
+std::vector<Unit> make_runs(const Problem<KV>& pb, int64_t T) {
   std::vector<Unit> runs;
   for (int64_t t0 = 0; t0 < T;) {
     int64_t t1 = t0 + 1;
@@ -328,7 +339,9 @@ std::vector<Unit> make_runs(const Problem& pb, int64_t T) {
 // Units = run x KV head x a slice of its group's query heads, latest tokens (longest contexts)
 // first so that dynamic claiming balances the threads. Heads are sliced only when there are too
 // few units for the threads (a decode token at a short context).
-std::vector<Unit> make_units(const Problem& pb, const std::vector<Unit>& runs, int64_t wanted) {
+template <typename KV>
+std::vector<Unit> make_units(const Problem<KV>& pb, const std::vector<Unit>& runs,
+                             int64_t wanted) {
   const int64_t group = pb.num_heads / pb.num_kv_heads;
   const int64_t per_kv = static_cast<int64_t>(runs.size()) * pb.num_kv_heads;
   const int64_t slices = std::min(group, std::max<int64_t>(1, (wanted + per_kv - 1) / per_kv));
@@ -347,7 +360,8 @@ std::vector<Unit> make_units(const Problem& pb, const std::vector<Unit>& runs, i
 // Few runs (one sequence decoding or verifying): the partitions of each (run, KV head) go to
 // different threads, their partials to a shared buffer, merged in a second pass. Same partials,
 // same merge: the outputs are bit-identical to attend_unit's.
-void attend_split(const Problem& pb, const std::vector<Unit>& runs, int64_t T) {
+template <typename KV>
+void attend_split(const Problem<KV>& pb, const std::vector<Unit>& runs, int64_t T) {
   const int64_t D = pb.head_dim, Hq = pb.num_heads;
   std::vector<int64_t> base(T + 1, 0);
   for (int64_t t = 0; t < T; ++t) base[t + 1] = base[t] + num_partitions(pb, t);
@@ -368,7 +382,7 @@ void attend_split(const Problem& pb, const std::vector<Unit>& runs, int64_t T) {
     }
   }
   parallel_for(static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
-    thread_local Scratch scratch;
+    thread_local Scratch<KV> scratch;
     for (int64_t i = begin; i < end; ++i) {
       attend_partition(pb, work[i].unit, work[i].part, scratch, partials);
     }
@@ -385,6 +399,47 @@ void check(bool ok, const char* what) {
   TORCH_CHECK(ok, "speculant::paged_attention: ", what);
 }
 
+// Validates the indices against the cache, then attends (see the top of the file).
+template <typename KV>
+void attend(const Problem<KV>& pb, int64_t T, int64_t S, int64_t num_blocks) {
+  int64_t num_positions = 0;  // summed over tokens: the work, in units of one K and one V row
+  for (int64_t t = 0; t < T; ++t) {
+    check(pb.seq[t] >= 0 && pb.seq[t] < S, "token_seq entry out of range");
+    check(pb.pos[t] >= 0 && pb.pos[t] < pb.max_blocks * pb.block_size,
+          "token_pos beyond the block table");
+    const int32_t* table = pb.tables + pb.seq[t] * pb.max_blocks;
+    for (int64_t b = 0; b <= pb.pos[t] / pb.block_size; ++b) {
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "speculant::paged_attention: block id ",
+                  table[b], " out of range [0, ", num_blocks, ")");
+    }
+    num_positions += pb.pos[t] + 1;
+  }
+  const bool parallel = num_positions * pb.num_heads >= kMinParallelWork;
+  const int64_t wanted = parallel ? 2 * pool_threads() : 1;
+  const std::vector<Unit> runs = make_runs(pb, T);
+  const bool long_context = num_positions > static_cast<int64_t>(runs.size()) * kPartition;
+  if (parallel && long_context &&
+      static_cast<int64_t>(runs.size()) * pb.num_kv_heads < wanted * 2) {
+    attend_split(pb, runs, T);
+    return;
+  }
+  const std::vector<Unit> units = make_units(pb, runs, wanted);
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  parallel_for(num_units, parallel ? 1 : num_units, [&](int64_t begin, int64_t end) {
+    thread_local Scratch<KV> scratch;
+    for (int64_t i = begin; i < end; ++i) attend_unit(pb, units[i], scratch);
+  });
+}
+
+template <typename KV>
+const KV* cache_data(const at::Tensor& t) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return t.const_data_ptr<float>();
+  } else {
+    return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::Half>());
+  }
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -397,8 +452,10 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   const at::Tensor q = q_in.contiguous(), k_cache = k_in.contiguous(), v_cache = v_in.contiguous();
   const at::Tensor block_tables = tables_in.contiguous(), token_seq = seq_in.contiguous();
   const at::Tensor token_pos = pos_in.contiguous();
-  check(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-            v_cache.scalar_type() == at::kFloat, "q and the caches must be float32");
+  const bool half = k_cache.scalar_type() == at::kHalf;
+  check(q.scalar_type() == at::kFloat, "q must be float32");
+  check(k_cache.scalar_type() == v_cache.scalar_type() && (half || k_cache.scalar_type() == at::kFloat),
+        "the caches must be both float32 or both float16");
   check(block_tables.scalar_type() == at::kInt && token_seq.scalar_type() == at::kInt &&
             token_pos.scalar_type() == at::kInt,
         "block_tables, token_seq, token_pos must be int32");
@@ -414,38 +471,20 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   const int64_t block_size = k_cache.size(1);
 
   at::Tensor out = at::empty(q.sizes(), q.options());
-  const Problem pb{q.const_data_ptr<float>(), k_cache.const_data_ptr<float>(),
-                   v_cache.const_data_ptr<float>(), block_tables.const_data_ptr<int32_t>(),
-                   token_seq.const_data_ptr<int32_t>(), token_pos.const_data_ptr<int32_t>(),
-                   out.data_ptr<float>(), Hq, Hkv, D, block_size, max_blocks,
-                   static_cast<float>(scale)};
-  int64_t num_positions = 0;  // summed over tokens: the work, in units of one K and one V row
-  for (int64_t t = 0; t < T; ++t) {
-    check(pb.seq[t] >= 0 && pb.seq[t] < S, "token_seq entry out of range");
-    check(pb.pos[t] >= 0 && pb.pos[t] < max_blocks * block_size,
-          "token_pos beyond the block table");
-    const int32_t* table = pb.tables + pb.seq[t] * max_blocks;
-    for (int64_t b = 0; b <= pb.pos[t] / block_size; ++b) {
-      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "speculant::paged_attention: block id ",
-                  table[b], " out of range [0, ", num_blocks, ")");
-    }
-    num_positions += pb.pos[t] + 1;
+  auto run = [&](auto kv_type) {
+    using KV = decltype(kv_type);
+    const Problem<KV> pb{q.const_data_ptr<float>(), cache_data<KV>(k_cache),
+                         cache_data<KV>(v_cache), block_tables.const_data_ptr<int32_t>(),
+                         token_seq.const_data_ptr<int32_t>(), token_pos.const_data_ptr<int32_t>(),
+                         out.data_ptr<float>(), Hq, Hkv, D, block_size, max_blocks,
+                         static_cast<float>(scale)};
+    attend(pb, T, S, num_blocks);
+  };
+  if (half) {
+    run(uint16_t{});
+  } else {
+    run(float{});
   }
-  const bool parallel = num_positions * Hq >= kMinParallelWork;
-  const int64_t wanted = parallel ? 2 * pool_threads() : 1;
-  const std::vector<Unit> runs = make_runs(pb, T);
-  const bool long_context = num_positions > static_cast<int64_t>(runs.size()) * kPartition;
-  if (parallel && long_context &&
-      static_cast<int64_t>(runs.size()) * pb.num_kv_heads < wanted * 2) {
-    attend_split(pb, runs, T);
-    return out;
-  }
-  const std::vector<Unit> units = make_units(pb, runs, wanted);
-  const int64_t num_units = static_cast<int64_t>(units.size());
-  parallel_for(num_units, parallel ? 1 : num_units, [&](int64_t begin, int64_t end) {
-    thread_local Scratch scratch;
-    for (int64_t i = begin; i < end; ++i) attend_unit(pb, units[i], scratch);
-  });
   return out;
 }
 

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstring>
+#include <vector>
 
 #include "ops.h"
 #include "pool.h"
@@ -63,6 +64,24 @@ void head(const float* src, const float* bias, const float* norm, float eps, con
   if (cos) rope_row(dst, cos, sin, D);
 }
 
+// head() straight into a float32 cache row.
+void store_row(const float* src, const float* bias, const float* norm, float eps, const float* cos,
+               const float* sin, int64_t D, float* /*scratch*/, float* dst) {
+  head(src, bias, norm, eps, cos, sin, D, dst);
+}
+
+// head() into scratch, then rounded to the nearest fp16 (ties to even, as torch's .half()).
+void store_row(const float* src, const float* bias, const float* norm, float eps, const float* cos,
+               const float* sin, int64_t D, float* scratch, uint16_t* dst) {
+  head(src, bias, norm, eps, cos, sin, D, scratch);
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(scratch + i), _MM_FROUND_TO_NEAREST_INT));
+  }
+  for (; i < D; ++i) dst[i] = _cvtss_sh(scratch[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 }  // namespace
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>& bias,
@@ -75,12 +94,13 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
   TORCH_CHECK(qkv.device().is_cpu() && qkv.scalar_type() == at::kFloat && qkv.dim() == 2 &&
                   qkv.is_contiguous(),
               "speculant::rope_write_kv: qkv must be a contiguous 2-D float32 CPU tensor");
+  const bool half = k_cache.scalar_type() == at::kHalf;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat && k_cache.device().is_cpu() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (half || k_cache.scalar_type() == at::kFloat) && k_cache.device().is_cpu() &&
                   v_cache.device().is_cpu(),
-              "speculant::rope_write_kv: caches must be contiguous float32 CPU tensors "
-              "[num_blocks, block_size, num_kv_heads, head_dim]");
+              "speculant::rope_write_kv: caches must be contiguous float32 or float16 CPU "
+              "tensors [num_blocks, block_size, num_kv_heads, head_dim]");
   const int64_t T = qkv.size(0), Hq = num_heads, Hkv = k_cache.size(2), D = k_cache.size(3);
   const int64_t width = (Hq + 2 * Hkv) * D, num_slots = k_cache.size(0) * k_cache.size(1);
   TORCH_CHECK(qkv.size(1) == width, "speculant::rope_write_kv: qkv has ", qkv.size(1),
@@ -107,26 +127,35 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
   const float* cp = cos.const_data_ptr<float>();
   const float* sp = sin.const_data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  parallel_for(T, balanced_chunk(T, 16), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* row = src + t * width;
-      const float* c = cp + pos[t] * D;
-      const float* s = sp + pos[t] * D;
-      float* k_dst = kc + slots[t] * Hkv * D;
-      float* v_dst = vc + slots[t] * Hkv * D;
-      for (int64_t h = 0; h < Hq; ++h) {
-        head(row + h * D, b ? b + h * D : nullptr, qn, e, c, s, D, qp + (t * Hq + h) * D);
+  // k and v rows in float32 (the cache's own rows, or a scratch row rounded into an fp16 cache)
+  auto write = [&](auto* kc, auto* vc) {
+    parallel_for(T, balanced_chunk(T, 16), [&](int64_t t0, int64_t t1) {
+      std::vector<float> scratch(half ? D : 0);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* row = src + t * width;
+        const float* c = cp + pos[t] * D;
+        const float* s = sp + pos[t] * D;
+        for (int64_t h = 0; h < Hq; ++h) {
+          head(row + h * D, b ? b + h * D : nullptr, qn, e, c, s, D, qp + (t * Hq + h) * D);
+        }
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
+          const int64_t dst = (slots[t] * Hkv + h) * D;
+          store_row(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, scratch.data(),
+                    kc + dst);
+          store_row(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D,
+                    scratch.data(), vc + dst);
+        }
       }
-      for (int64_t h = 0; h < Hkv; ++h) {
-        const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
-        head(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, k_dst + h * D);
-        head(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D, v_dst + h * D);
-      }
-    }
-  });
+    });
+  };
+  if (half) {
+    write(reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>()),
+          reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>()));
+  } else {
+    write(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+  }
   return q;
 }
 
