@@ -11,6 +11,7 @@ One `step()`:
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -89,6 +90,11 @@ class Engine:
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
+        # Everything loaded so far (torch, the model, tokenizer tables) lives as long as the
+        # process: move it out of the cyclic GC's reach. Otherwise the GC's periodic full
+        # collections, set off by the many small objects each step allocates, walk that whole
+        # heap: ~10% of a decode step at context 1000 (measured).
+        gc.freeze()
 
     # ---- requests ----------------------------------------------------------------------------
 
