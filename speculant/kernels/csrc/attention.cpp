@@ -271,28 +271,36 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
 }
 
 // out = sum_i w_i acc_i / sum_i w_i sum_i over the token's partitions i in ascending order, with
-// w_i = exp(max_i - max over all); one partition gives acc / sum, the plain softmax.
+// w_i = exp(max_i - max over all); one partition gives acc / sum, the plain softmax (w = 1 there,
+// so the shortcut is the same arithmetic).
 void merge(const Partials& in, int64_t t, int64_t head, int64_t num_parts, float* dst) {
   const int64_t D = in.head_dim;
+  if (num_parts == 1) {
+    const int64_t e = in.entry(t, 0, head);
+    const __m256 den = _mm256_set1_ps(in.sum[e]);
+    for (int64_t d = 0; d < D; d += 8) {
+      _mm256_storeu_ps(dst + d, _mm256_div_ps(_mm256_loadu_ps(in.acc + e * D + d), den));
+    }
+    return;
+  }
+  thread_local std::vector<float> weights;
+  weights.resize(num_parts);
   float m = in.max[in.entry(t, 0, head)];
   for (int64_t i = 1; i < num_parts; ++i) m = std::max(m, in.max[in.entry(t, i, head)]);
   float denom = 0.0f;
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 o = _mm256_setzero_ps();
-    for (int64_t i = 0; i < num_parts; ++i) {
-      const int64_t e = in.entry(t, i, head);
-      const float w = std::exp(in.max[e] - m);
-      o = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(in.acc + e * D + d), o);
-    }
-    _mm256_storeu_ps(dst + d, o);
-  }
   for (int64_t i = 0; i < num_parts; ++i) {
     const int64_t e = in.entry(t, i, head);
-    denom += std::exp(in.max[e] - m) * in.sum[e];
+    weights[i] = std::exp(in.max[e] - m);
+    denom += weights[i] * in.sum[e];
   }
   const __m256 den = _mm256_set1_ps(denom);
   for (int64_t d = 0; d < D; d += 8) {
-    _mm256_storeu_ps(dst + d, _mm256_div_ps(_mm256_loadu_ps(dst + d), den));
+    __m256 o = _mm256_setzero_ps();
+    for (int64_t i = 0; i < num_parts; ++i) {
+      const float* acc = in.acc + in.entry(t, i, head) * D;
+      o = _mm256_fmadd_ps(_mm256_set1_ps(weights[i]), _mm256_loadu_ps(acc + d), o);
+    }
+    _mm256_storeu_ps(dst + d, _mm256_div_ps(o, den));
   }
 }
 
