@@ -359,6 +359,7 @@ def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
     from speculant.bench_timing import machine_info
 
     return {"date": date, "machine": machine_info(threads), "model": engine.model_path,
+            "dtype": engine.config.dtype, "kv_dtype": engine.config.kv_dtype,
             "max_tokens": args.max_tokens, "concurrency": levels, "repeats": args.repeats,
             "peer_repeats": args.peer_repeats if args.compare else 0,
             "methods": [name for name, _ in methods]}

@@ -10,6 +10,8 @@ Top level
   elapsed_s      seconds from the first warm-up to the end of the peers (model load excluded)
   machine        {"cpu", "num_cpus", "threads", "platform", "python", "torch"}
   model          the target model's path
+  dtype          weights (--dtype: auto = as stored in the GGUF)
+  kv_dtype       KV cache element type (float16 or float32, --kv-dtype resolved)
   max_tokens     tokens generated per prompt (EOS stops earlier unless --ignore-eos)
   concurrency    [int], the levels measured
   repeats        measurements per (category, method, concurrency); methods interleave per repeat

@@ -21,7 +21,8 @@ from speculant.bench_report import (
 from speculant.bench_timing import CpuSample, cpu_usage, read_proc_stat, run_with_reruns
 from speculant.cli import main
 
-TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "max_tokens", "concurrency",
+TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "dtype", "kv_dtype", "max_tokens",
+            "concurrency",
             "repeats", "peer_repeats", "methods", "results", "categories", "by_method", "peers", "summary", "interference",
             "files"}
 RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_tokens",
@@ -31,6 +32,7 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "interference",
                "other_cpu_cores", "own_cpu_util", "num_reruns"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
+        "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "peer_repeats": 1,
         "methods": ["plain", "suffix"],
         "machine": {"cpu": "test cpu", "num_cpus": 2, "threads": 2, "platform": "x",
@@ -280,6 +282,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert code == 0
     report = last_json(capsys)
     assert set(report) == TOP_KEYS and report["methods"] == ["plain", "suffix"]
+    assert (report["dtype"], report["kv_dtype"]) == ("auto", "float16")
     assert all(set(r) == RESULT_KEYS for r in report["results"])
     assert report["categories"]["qa"]["methods"]["suffix"]["1"]["identical_to_plain"] == 1
     assert report["files"]["chart"].endswith(".png")
