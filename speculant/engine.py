@@ -153,13 +153,15 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def reset_stats(self, speculators: bool = True) -> None:
-        """Fresh statistics; with `speculators`, fresh speculator state too (nothing learned from
-        earlier requests carries over: benchmarks stay honest across repeats)."""
+        """Fresh statistics; with `speculators`, fresh speculator state and step-cost fit too
+        (nothing learned from earlier requests carries over: the chain's drafting decisions in
+        one benchmark run never depend on which runs came before it)."""
         if self.has_unfinished():
             raise RuntimeError("reset_stats while requests are running")
         self.stats = EngineStats()
         if speculators:
             self.chain = SpeculatorChain(create_speculators(self.config, self._spec_ctx, self))
+            self.cost = StepCostModel()
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished request (its id can be reused)."""

@@ -151,3 +151,14 @@ def test_bad_kv_dtype_is_named():
 
 def test_default_engine_keeps_an_fp16_cache(default_engine):
     assert all(k.dtype == torch.float16 for k in default_engine.cache.k + default_engine.cache.v)
+
+
+def test_reset_stats_forgets_the_fitted_step_cost(default_engine):
+    """The chain prices draft tokens with the engine's fitted step cost: a benchmark run after
+    reset_stats starts from the same prior whatever ran before it."""
+    from speculant.step_cost import StepCostModel
+
+    run(default_engine, PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0.0))
+    assert default_engine.cost._count > 0
+    default_engine.reset_stats()
+    assert default_engine.cost == StepCostModel()
