@@ -309,12 +309,19 @@ int64_t num_partitions(const Problem<KV>& pb, int64_t t) {
   return (pb.pos[t] + kPartition) / kPartition;  // partitions covering 0..pos[t]
 }
 
+// Partitions covering the longest context among tokens [t0, t1).
+template <typename KV>
+int64_t max_partitions(const Problem<KV>& pb, int64_t t0, int64_t t1) {
+  int64_t parts = 0;
+  for (int64_t t = t0; t < t1; ++t) parts = std::max(parts, num_partitions(pb, t));
+  return parts;
+}
+
 // A whole unit: every partition of its tokens into its own scratch, then the merged outputs.
 template <typename KV>
 void attend_unit(const Problem<KV>& pb, const Unit& u, Scratch<KV>& sc) {
   const int64_t D = pb.head_dim, Hq = pb.num_heads, group = Hq / pb.num_kv_heads;
-  int64_t parts_max = 0;
-  for (int64_t t = u.t0; t < u.t1; ++t) parts_max = std::max(parts_max, num_partitions(pb, t));
+  const int64_t parts_max = max_partitions(pb, u.t0, u.t1);
   const int64_t rows = (u.t1 - u.t0) * parts_max;
   sc.base.resize(u.t1 - u.t0);
   for (int64_t t = u.t0; t < u.t1; ++t) sc.base[t - u.t0] = (t - u.t0) * parts_max;
@@ -381,9 +388,7 @@ void attend_split(const Problem<KV>& pb, const std::vector<Unit>& runs, int64_t 
   };
   std::vector<Work> work;
   for (auto r = runs.rbegin(); r != runs.rend(); ++r) {
-    int64_t parts_max = 0;
-    for (int64_t t = r->t0; t < r->t1; ++t) parts_max = std::max(parts_max, num_partitions(pb, t));
-    for (int64_t part = parts_max - 1; part >= 0; --part) {
+    for (int64_t part = max_partitions(pb, r->t0, r->t1) - 1; part >= 0; --part) {
       for (int64_t kvh = 0; kvh < pb.num_kv_heads; ++kvh) {
         work.push_back({{r->t0, r->t1, kvh, 0, Hq / pb.num_kv_heads}, part});
       }
