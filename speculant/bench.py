@@ -66,6 +66,10 @@ def add_bench_args(p) -> None:
                    help="save the plain run's outputs as replay records (JSONL)")
     g.add_argument("--replay", default=None, metavar="RECORDS",
                    help="no model: replay recorded outputs through the --spec-type chains")
+    g.add_argument("--replay-row-cost", type=float, default=None, metavar="C",
+                   help="replay: what verifying one draft token costs, as a fraction of a plain "
+                        "decode step (default: the engine's prior); prices drafts in the chain "
+                        "and gives each row's est_speedup")
     g.add_argument("--out-dir", default="bench_out", help="directory of the dated JSON and chart")
     g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
@@ -92,6 +96,7 @@ class Run:
     seqs: list  # [Sequence], in prompt order
     usage: object  # bench_timing.CpuUsage
     num_reruns: int
+    row_cost: float | None = None  # engine's fitted cost of a verified row (speculative runs)
 
     @property
     def decode_rate(self) -> float:
@@ -155,6 +160,11 @@ def _check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
     if args.replay and (args.compare or args.record):
         raise ValueError("--replay runs no model: --compare and --record do not apply")
+    if args.replay_row_cost is not None:
+        if not args.replay:
+            raise ValueError("--replay-row-cost applies only with --replay")
+        if not 0.0 <= args.replay_row_cost < 1.0:
+            raise ValueError(f"--replay-row-cost must be in [0, 1), got {args.replay_row_cost}")
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -271,12 +281,12 @@ def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
         engine.reset_stats()
         t0 = time.perf_counter()
         seqs = engine.run_to_completion(texts, params)
-        return time.perf_counter() - t0, engine.stats, seqs
+        return time.perf_counter() - t0, engine.stats, seqs, engine.cost.cost_per_token(level)
 
-    (wall, stats, seqs), usage, reruns = run_with_reruns(
+    (wall, stats, seqs, row_cost), usage, reruns = run_with_reruns(
         once, threads, args.rerun_on_interference, label, args.interference_tolerance,
         warn=_progress_write)
-    return Run(wall, stats, seqs, usage, reruns)
+    return Run(wall, stats, seqs, usage, reruns, row_cost if types else None)
 
 
 def _result(name: str, category: str, level: int, runs: list[Run],
@@ -305,6 +315,7 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         other_cpu_cores=round(max(r.usage.other_cpu_cores for r in runs), 3),
         own_cpu_util=round(statistics.median(r.usage.own_cpu_util for r in runs), 3),
         num_reruns=sum(r.num_reruns for r in runs),
+        row_cost=None if chosen.row_cost is None else round(chosen.row_cost, 4),
         token_ids=[[s.output_ids for s in r.seqs] for r in runs],
     )
 

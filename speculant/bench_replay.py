@@ -8,16 +8,22 @@ speculator state per chain and category and the records of a category in file or
 as the suffix drafter's global tree carries from one record to the next, as in a server).
 
 Differences from a real run: greedy verification is simulated by the record; the chain prices a
-draft token with the engine's prior step cost (`StepCostModel`) instead of a fitted one; model
-drafters (`is_model_based`) are refused.
+draft token with a fixed row cost (`--replay-row-cost`, default the engine's prior
+`StepCostModel`) instead of the engine's fitted one; model drafters (`is_model_based`) are refused.
+
+est_speedup = decode tokens / (verification steps + row_cost x draft tokens): decode tokens/s
+relative to plain decoding if a step with k draft tokens costs 1 + k x row_cost plain steps and
+drafting is free. On this CPU a verified row costs ~0.15-0.3 of a step (more at long contexts,
+where each row also attends over the whole prompt), so `--replay-row-cost 0.2` is realistic.
 
 JSON (last stdout line, and `bench-replay-<date>.json` in --out-dir):
   schema        "speculant-bench-replay/1"
-  date, records (the file), n_max, methods [chain], categories {category: num_records}
+  date, records (the file), n_max, row_cost, methods [chain],
+  categories    {category: num_records}
   results       [{"category", "method", "num_records", "num_generated", "num_steps",
                   "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                   "mean_accepted_length" (1 + accepted / verification steps, as the engine),
-                  "acceptance_rate", "accepted_per_pos",
+                  "est_speedup", "acceptance_rate", "accepted_per_pos",
                   "spec_ms_per_step" (replay time per step: every speculator call, begin to end)}]
   summary       {category: {"method", "mean_accepted_length", "acceptance_rate"}}: the chain
                 with the longest mean accepted length
@@ -69,16 +75,23 @@ class ChainDrafter(Speculator):
         self.chain.end(seq_id)
 
 
-def build_chain(types: list[str], vocab_size: int, spec_options: dict) -> ChainDrafter:
-    from speculant.spec.factory import create_speculators
+def default_row_cost() -> float:
     from speculant.step_cost import StepCostModel
+
+    return StepCostModel().cost_per_token(1)
+
+
+def build_chain(types: list[str], vocab_size: int, spec_options: dict,
+                row_cost: float | None = None) -> ChainDrafter:
+    from speculant.spec.factory import create_speculators
 
     for name in types:
         if speculator_class(name).is_model_based:
             raise ValueError(f"--replay measures model-free speculators; {name!r} runs a model")
     config = SimpleNamespace(spec_type=list(types), spec_options=spec_options)
     speculators = create_speculators(config, SpeculatorContext(vocab_size=vocab_size))
-    return ChainDrafter(SpeculatorChain(speculators), tuple(types), StepCostModel().cost_per_token(1))
+    return ChainDrafter(SpeculatorChain(speculators), tuple(types),
+                        default_row_cost() if row_cost is None else row_cost)
 
 
 def replay_category(drafter: ChainDrafter, records: list[dict], params: DraftParams,
@@ -93,14 +106,24 @@ def replay_category(drafter: ChainDrafter, records: list[dict], params: DraftPar
     return total, time.perf_counter() - t0
 
 
-def result_row(category: str, method: str, stats: ReplayStats, seconds: float) -> dict:
+def est_speedup(num_decoded: int, num_steps: int, num_draft_tokens: int, row_cost: float) -> float:
+    """Plain decoding takes one step per decoded token; speculation takes `num_steps` steps of
+    1 + row_cost x (their draft tokens) plain steps each."""
+    cost = num_steps + row_cost * num_draft_tokens
+    return num_decoded / cost if cost > 0 else 1.0
+
+
+def result_row(category: str, method: str, stats: ReplayStats, seconds: float,
+               row_cost: float) -> dict:
     """One row of the replay JSON; steps exclude the prefill, as the engine counts them."""
     steps = stats.steps - stats.num_records if stats.num_generated else 0
+    num_decoded = stats.num_generated - stats.num_records if stats.num_generated else 0
     return {"category": category, "method": method, "num_records": stats.num_records,
             "num_generated": stats.num_generated, "num_steps": steps,
             "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
             "num_accepted_tokens": stats.num_accepted_tokens,
             "mean_accepted_length": round(1 + stats.num_accepted_tokens / steps, 3) if steps else 1.0,
+            "est_speedup": round(est_speedup(num_decoded, steps, stats.num_draft_tokens, row_cost), 3),
             "acceptance_rate": round(stats.acceptance_rate, 3),
             "accepted_per_pos": list(stats.accepted_per_pos),
             "spec_ms_per_step": round(1e3 * seconds / stats.steps, 3) if stats.steps else 0.0}
@@ -136,6 +159,7 @@ def run_replay(args) -> int:
     vocab_size = 1 + max((max(r["prompt_ids"] + r["output_ids"], default=0) for r in records), default=0)
     params = DraftParams(args.spec_n_max, args.spec_n_min, args.spec_p_min)
     options = parse_spec_options(args.spec_option)
+    row_cost = default_row_cost() if args.replay_row_cost is None else args.replay_row_cost
     date = now_iso()
     bar = tqdm(total=len(methods) * sum(map(len, groups.values())), desc="replay", unit="record",
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
@@ -143,10 +167,12 @@ def run_replay(args) -> int:
     for name, types in methods:
         for cat, recs in groups.items():
             bar.set_postfix_str(f"{cat} {name}")
-            stats, seconds = replay_category(build_chain(types, vocab_size, options), recs, params, bar)
-            rows.append(result_row(cat, name, stats, seconds))
+            chain = build_chain(types, vocab_size, options, row_cost)
+            stats, seconds = replay_category(chain, recs, params, bar)
+            rows.append(result_row(cat, name, stats, seconds, row_cost))
     bar.close()
     report = {"schema": SCHEMA, "date": date, "records": args.replay, "n_max": args.spec_n_max,
+              "row_cost": round(row_cost, 4),
               "methods": [n for n, _ in methods],
               "categories": {cat: len(recs) for cat, recs in groups.items()},
               "results": rows, "summary": _best(rows), "files": {"json": None, "chart": None}}
@@ -168,10 +194,11 @@ def _best(rows: list[dict]) -> dict:
 def replay_table(rows: list[dict]) -> str:
     from speculant.bench_report import markdown
 
-    head = ["category", "method", "records", "tokens", "acc.len", "acc.rate", "drafts",
-            "spec ms/step"]
+    head = ["category", "method", "records", "tokens", "acc.len", "est. speedup", "acc.rate",
+            "drafts", "spec ms/step"]
     return markdown(head, [[r["category"], r["method"], str(r["num_records"]),
                             str(r["num_generated"]), f"{r['mean_accepted_length']:.2f}",
+                            f"{r['est_speedup']:.2f}x",
                             f"{r['acceptance_rate']:.2f}", str(r["num_drafts"]),
                             f"{r['spec_ms_per_step']:.3f}"] for r in rows])
 

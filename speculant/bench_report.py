@@ -42,6 +42,10 @@ Result: one method on one category at one concurrency
   other_cpu_cores       the largest average of cores others used during a kept repeat
   own_cpu_util          our CPU time / (wall x threads), median over repeats
   num_reruns            repeats re-run because of interference (--rerun-on-interference)
+  row_cost              what verifying one more draft token cost, as a fraction of a plain step
+                        at this concurrency, from the engine's step-cost fit over the kept
+                        repeat (null for plain: its steps all have one size, nothing to fit);
+                        `--replay --replay-row-cost` takes the same quantity
 
 Category
   num_prompts
@@ -104,6 +108,7 @@ class RunResult:
     other_cpu_cores: float = 0.0
     own_cpu_util: float = 0.0
     num_reruns: int = 0
+    row_cost: float | None = None
     token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
 
     def to_dict(self) -> dict:

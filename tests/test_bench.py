@@ -30,7 +30,7 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "repeats_decode_tok_s", "e2e_tok_s", "speedup", "mean_accepted_length",
                "acceptance_rate", "draft_time_share", "identical_to_plain", "num_steps",
                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "interference",
-               "other_cpu_cores", "own_cpu_util", "num_reruns"}
+               "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "peer_repeats": 1,
@@ -211,6 +211,43 @@ def test_replay_per_category(tmp_path, capsys):
     assert rows[("qa", "suffix")]["num_accepted_tokens"] == 0
     assert rows[("summarization", "suffix")]["num_records"] == 2
     assert report["files"]["json"].startswith(str(tmp_path / "out"))
+    # est_speedup follows its definition from the row's own counts and the default row cost
+    row, cost = rows[("summarization", "suffix")], report["row_cost"]
+    decoded = row["num_generated"] - row["num_records"]
+    assert row["est_speedup"] == pytest.approx(
+        decoded / (row["num_steps"] + cost * row["num_draft_tokens"]), abs=1e-3)
+    assert rows[("qa", "suffix")]["est_speedup"] <= 1.0  # drafts nothing it gets accepted
+
+
+def test_replay_row_cost_prices_drafts(tmp_path, capsys):
+    """A dearer verified row makes the chain draft fewer tokens and lowers the estimated speedup
+    of the same acceptance; a free row estimates the mean accepted length itself."""
+    records = tmp_path / "records.jsonl"
+    write_records(records)
+    reports = {}
+    for cost in ("0", "0.3", "0.9"):
+        assert main(["bench", "--replay", str(records), "--spec-type", "suffix", "--categories",
+                     "summarization", "--replay-row-cost", cost,
+                     "--out-dir", str(tmp_path / "out")]) == 0
+        reports[cost] = last_json(capsys)
+    free, mid, dear = (reports[c]["results"][0] for c in ("0", "0.3", "0.9"))
+    assert reports["0.3"]["row_cost"] == 0.3
+    decoded = free["num_generated"] - free["num_records"]
+    assert free["est_speedup"] == pytest.approx(decoded / free["num_steps"], abs=1e-3)
+    assert dear["num_draft_tokens"] < free["num_draft_tokens"]
+    assert dear["est_speedup"] < mid["est_speedup"] < free["est_speedup"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--replay-row-cost", "0.2"], "applies only with --replay"),
+    (["--replay", "R", "--replay-row-cost", "1.5"], "must be in [0, 1)"),
+    (["--replay", "R", "--replay-row-cost", "-0.1"], "must be in [0, 1)"),
+])
+def test_replay_row_cost_bad_values(argv, message, capsys):
+    """A bad --replay-row-cost exits 2 naming the flag and the problem, before reading records."""
+    assert main(["bench", *argv, "--spec-type", "suffix"]) == 2
+    err = capsys.readouterr().err
+    assert "--replay-row-cost" in err and message in err
 
 
 # ---- peers -------------------------------------------------------------------------------------
@@ -285,6 +322,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert (report["dtype"], report["kv_dtype"]) == ("auto", "float16")
     assert all(set(r) == RESULT_KEYS for r in report["results"])
     assert report["categories"]["qa"]["methods"]["suffix"]["1"]["identical_to_plain"] == 1
+    row_costs = {r["method"]: r["row_cost"] for r in report["results"]}
+    assert row_costs["plain"] is None and 0.0 < row_costs["suffix"] < 1.0
     assert report["files"]["chart"].endswith(".png")
     (rec,) = [json.loads(line) for line in records.read_text().splitlines()]
     assert set(rec) == {"id", "category", "prompt_ids", "output_ids"} and rec["id"] == "t1"
