@@ -129,9 +129,19 @@ int pool_threads() { return std::max(1, at::get_num_threads()); }
 
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   const int64_t num_chunks = (n + chunk - 1) / chunk;
-  if (!use_pool()) {  // torch's OpenMP threads, statically split
-    at::parallel_for(0, num_chunks, 1, [&](int64_t c0, int64_t c1) {
-      fn(ctx, c0 * chunk, std::min(n, c1 * chunk));
+  if (!use_pool()) {
+    // torch's OpenMP threads, statically split round-robin: thread i runs chunks i, i + T, ...
+    // Callers list their costliest chunks first or mix costs along the range (attention puts a
+    // 1-token run's partitions next to an 8-token run's); at::parallel_for's contiguous blocks
+    // would give one thread all of the dear half (a 9-row verification step at context 3500:
+    // attention 2x as long as 8 rows).
+    const int64_t threads = std::min<int64_t>(pool_threads(), num_chunks);
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t c = t; c < num_chunks; c += threads) {
+          fn(ctx, c * chunk, std::min(n, (c + 1) * chunk));
+        }
+      }
     });
     return;
   }
