@@ -82,7 +82,7 @@ def default_row_cost() -> float:
 
 
 def build_chain(types: list[str], vocab_size: int, spec_options: dict,
-                row_cost: float | None = None) -> ChainDrafter:
+                row_cost: float) -> ChainDrafter:
     from speculant.spec.factory import create_speculators
 
     for name in types:
@@ -90,8 +90,7 @@ def build_chain(types: list[str], vocab_size: int, spec_options: dict,
             raise ValueError(f"--replay measures model-free speculators; {name!r} runs a model")
     config = SimpleNamespace(spec_type=list(types), spec_options=spec_options)
     speculators = create_speculators(config, SpeculatorContext(vocab_size=vocab_size))
-    return ChainDrafter(SpeculatorChain(speculators), tuple(types),
-                        default_row_cost() if row_cost is None else row_cost)
+    return ChainDrafter(SpeculatorChain(speculators), tuple(types), row_cost)
 
 
 def replay_category(drafter: ChainDrafter, records: list[dict], params: DraftParams,
