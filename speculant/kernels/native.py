@@ -8,6 +8,12 @@ prebuilds it and prints where it lives.
 
 The native path is off, and callers use the PyTorch fallback, when `SPECULANT_NATIVE=0`, when
 the CPU lacks AVX2, FMA or F16C, or when the build fails (a warning says why).
+
+Kernel paths: the block-type linear kernels exist for AVX2 and for AVX-512 VNNI
+(`csrc/avx512/`, compiled apart with the AVX-512 flags so the rest of the library still runs on
+AVX2-only CPUs). The library picks the best path the CPU supports when it loads;
+`SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni` forces one (a path the CPU lacks is an error that
+names it). All paths give bit-identical outputs. `kernel_path()` reports the active one.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import subprocess
 import sys
 import time
 import warnings
@@ -24,11 +31,18 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
+AVX512_SRC = CSRC / "avx512"
 REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 # -ffp-contract=off: scalar code is never fused into FMAs behind our back, so the kernels' float
 # operations are exactly the intrinsics written (their order is what batch invariance rests on).
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
+# csrc/avx512/*.cpp: compiled into objects of their own with these flags and linked in; only
+# called on CPUs that have the features (csrc/kernel_path.cpp). They include no torch headers.
+AVX512_CFLAGS = ("-O3", "-std=c++17", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
+                 "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+# what kernel_path() reports when the native kernels are not in use
+FALLBACK_PATH = "torch"
 
 
 @torch.compiler.assume_constant_result  # torch.compile evaluates it once instead of tracing it
@@ -52,7 +66,35 @@ def load_ops():
                       "using the PyTorch fallback", RuntimeWarning, stacklevel=2)
         return None
     _register_fakes()
+    torch.ops.speculant.kernel_path()  # applies SPECULANT_KERNEL_PATH now: a bad value raises here
     return torch.ops.speculant
+
+
+def kernel_path() -> str:
+    """The path the native linear kernels run on ("avx2", "avx512_vnni"), or "torch" when the
+    PyTorch fallback runs instead."""
+    ops = load_ops()
+    return ops.kernel_path() if ops is not None else FALLBACK_PATH
+
+
+def supported_kernel_paths() -> tuple[str, ...]:
+    """The kernel paths this CPU can run, best last (empty without the native kernels)."""
+    ops = load_ops()
+    return tuple(ops.kernel_paths()) if ops is not None else ()
+
+
+@contextlib.contextmanager
+def forced_kernel_path(name: str):
+    """Runs the block on kernel path `name` (process-wide), then restores the previous one: how
+    tests and benchmarks compare paths in one process. Raises if this CPU lacks the path."""
+    ops = load_ops()
+    if ops is None:
+        raise RuntimeError(f"kernel path {name!r} requested but the native kernels are unavailable")
+    previous = ops.set_kernel_path(name)
+    try:
+        yield
+    finally:
+        ops.set_kernel_path(previous)
 
 
 def build() -> Path:
@@ -60,25 +102,46 @@ def build() -> Path:
     from torch.utils import cpp_extension
 
     sources = sorted(CSRC.glob("*.cpp"))
-    key = _build_key(sources + sorted(CSRC.glob("*.h")))
+    key = _build_key(sorted(p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".h")))
     build_dir = _cache_root() / "native" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(build_dir / "build.lock"):
         # torch's own marker of a build in progress; one left by a killed build would make every
         # later load wait forever, and while we hold the lock nobody else is building
         (build_dir / "lock").unlink(missing_ok=True)
+        objects = [str(o) for o in _compile_avx512_objects(build_dir)]
         cpp_extension.load(
             name=f"speculant_native_{key}", sources=[str(s) for s in sources],
-            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+            extra_cflags=list(CFLAGS), extra_ldflags=objects + list(LDFLAGS),
             build_directory=str(build_dir), is_python_module=False, verbose=False)
     return build_dir
+
+
+def _compile_avx512_objects(build_dir: Path) -> list[Path]:
+    """csrc/avx512/*.cpp compiled with AVX512_CFLAGS (cpp_extension has one set of flags for all
+    sources); the build key covers these sources and flags, so an object found is up to date."""
+    from torch.utils import cpp_extension
+
+    objects = []
+    for src in sorted(AVX512_SRC.glob("*.cpp")):
+        obj = build_dir / f"avx512_{src.stem}.o"
+        if not obj.exists():
+            tmp = obj.with_name(obj.name + ".tmp")
+            cmd = [cpp_extension.get_cxx_compiler(), *AVX512_CFLAGS, "-I", str(CSRC), "-c",
+                   str(src), "-o", str(tmp)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"compiling {src.name} failed:\n{done.stderr}")
+            tmp.replace(obj)
+        objects.append(obj)
+    return objects
 
 
 def _build_key(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
-    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+        h.update(str(f.relative_to(CSRC)).encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(" ".join(CFLAGS + LDFLAGS + AVX512_CFLAGS).encode())
     h.update(f"torch={torch.__version__} python={sys.version_info[:2]}".encode())
     return h.hexdigest()[:16]
 
@@ -161,7 +224,8 @@ def main() -> None:
         print(f"CPU lacks {', '.join(missing)}: the PyTorch fallback will be used")
         return
     build_dir = build()
-    print(f"speculant native kernels ready in {build_dir} ({time.perf_counter() - start:.1f} s)")
+    print(f"speculant native kernels ready in {build_dir} ({time.perf_counter() - start:.1f} s); "
+          f"kernel path {kernel_path()} (this CPU runs: {', '.join(supported_kernel_paths())})")
 
 
 if __name__ == "__main__":

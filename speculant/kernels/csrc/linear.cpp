@@ -1,4 +1,5 @@
-// Batch-invariant linear kernels over 8-row-interleaved weights (AVX2 / FMA / F16C).
+// Batch-invariant linear kernels over 8-row-interleaved weights (AVX2 / FMA / F16C), and the
+// dispatch of the block types to the active kernel path's kernels (kernel_path.h).
 //
 // Weight layouts, with G = ceil(out_features / 8) groups of 8 output rows (the last group padded
 // with zero rows) and nb = in_features / 32 blocks per row:
@@ -19,14 +20,22 @@
 // input features) in ascending order with the same instruction sequence whatever M or the row
 // tile is. Row i of the output is therefore bit-identical however many rows are computed with it,
 // and at whatever position.
+//
+// Kernel paths: the block types (Q4_0, Q4_1, Q8_0) run on the active path's kernels, AVX2 here
+// or AVX-512 VNNI (avx512/linear_vnni.cpp), which compute every block's exact integer dot product
+// and then the same float operations in the same order, so all paths give bit-identical outputs.
+// F32 / F16 weights always run the AVX2 FMA kernel below.
 #include "ops.h"
 
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <iterator>
 #include <vector>
 
+#include "kernel_path.h"
+#include "linear_blocks.h"
 #include "pool.h"
 #include "simd.h"
 
@@ -41,14 +50,6 @@ struct QuantizedActs {
   std::vector<float> d;     // [M, nb] block scale: x ~= d * q
   std::vector<float> dsum;  // [M, nb] d * sum(q), Q4_1's min term
   std::vector<int32_t> sum;  // [M, nb] sum(q), Q4_0's offset term
-};
-
-// Raw pointers into QuantizedActs for the kernels' inner loops (no aliasing with their stores).
-struct ActsView {
-  const int8_t* q;
-  const float* d;
-  const float* dsum;
-  const int32_t* sum;
 };
 
 // An empty asm that claims to modify v: the integer sums then accumulate in program order in a
@@ -296,26 +297,71 @@ void run_groups(const Kernel& kernel, int64_t g, int64_t m_begin, int64_t m_end,
   }
 }
 
-// Splits the weight groups across threads; each thread walks its groups kGroupTile at a time and,
-// for each, all rows of the pass, so their weights come from memory once and then from L1. Long
-// prompts go in passes of kRowsPerPass rows, whose quantized activations stay in L2.
+// Weight groups [g0, g1) kGroupTile at a time, each against all rows [m0, m1), so its weights
+// come from memory once and then from L1.
 template <typename Kernel>
-void run(const Kernel& kernel, int64_t M, int64_t N, int64_t group_bytes, float* out) {
-  constexpr int64_t kRowsPerPass = 128;
+void run_region(const Kernel& kernel, int64_t g0, int64_t g1, int64_t m0, int64_t m1, int64_t N,
+                float* out) {
   constexpr int kGroupTile = Kernel::kGroupTile;
-  const int64_t G = (N + 7) / 8;
+  int64_t g = g0;
+  for (; g + kGroupTile <= g1; g += kGroupTile) run_groups<kGroupTile>(kernel, g, m0, m1, N, out);
+  for (; g < g1; ++g) run_groups<1>(kernel, g, m0, m1, N, out);
+}
+
+// Splits the G weight groups across threads, calling region(g0, g1, m0, m1); long prompts go in
+// passes of kRowsPerPass rows, whose quantized activations stay in L2. Chunks hold an even number
+// of groups: both the AVX2 tiles and the VNNI vectors take groups two at a time.
+template <typename Region>
+void run_parallel(int64_t M, int64_t G, int64_t group_bytes, const Region& region) {
+  constexpr int64_t kRowsPerPass = 128;
   for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
     const int64_t m1 = std::min(M, m0 + kRowsPerPass);
     // at least ~32 KB of weight traffic per chunk, so small products skip threading
     const int64_t min_chunk = std::max<int64_t>(1, (32 << 10) / (group_bytes * (m1 - m0)));
-    parallel_for(G, balanced_chunk(G, min_chunk), [&](int64_t g0, int64_t g1) {
-      int64_t g = g0;
-      for (; g + kGroupTile <= g1; g += kGroupTile) {
-        run_groups<kGroupTile>(kernel, g, m0, m1, N, out);
-      }
-      for (; g < g1; ++g) run_groups<1>(kernel, g, m0, m1, N, out);
-    });
+    const int64_t chunk = balanced_chunk(G, min_chunk);
+    parallel_for(G, chunk + chunk % 2, [&](int64_t g0, int64_t g1) { region(g0, g1, m0, m1); });
   }
+}
+
+template <typename Kernel>
+void run(const Kernel& kernel, int64_t M, int64_t N, int64_t group_bytes, float* out) {
+  run_parallel(M, (N + 7) / 8, group_bytes, [&](int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+    run_region(kernel, g0, g1, m0, m1, N, out);
+  });
+}
+
+// The AVX2 block kernels in the form every path's kernels take (linear_blocks.h).
+void linear_q4_0_avx2(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  const Q4Kernel<false> k{static_cast<const uint8_t*>(p.weight), p.scales, nullptr, p.acts, p.nb};
+  run_region(k, g0, g1, m0, m1, p.N, p.out);
+}
+
+void linear_q4_1_avx2(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  const Q4Kernel<true> k{static_cast<const uint8_t*>(p.weight), p.scales, p.mins, p.acts, p.nb};
+  run_region(k, g0, g1, m0, m1, p.N, p.out);
+}
+
+void linear_q8_0_avx2(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  const Q8Kernel k{static_cast<const int8_t*>(p.weight), p.scales, p.acts, p.nb};
+  run_region(k, g0, g1, m0, m1, p.N, p.out);
+}
+
+enum BlockType : int { kQ4_0, kQ4_1, kQ8_0, kNumBlockTypes };
+
+// Each kernel path's block kernels, in KernelPath order.
+constexpr BlockLinearFn kBlockKernels[][kNumBlockTypes] = {
+    {linear_q4_0_avx2, linear_q4_1_avx2, linear_q8_0_avx2},
+    {linear_q4_0_avx512_vnni, linear_q4_1_avx512_vnni, linear_q8_0_avx512_vnni},
+};
+static_assert(std::size(kBlockKernels) == static_cast<size_t>(KernelPath::kNumPaths));
+
+// Block type `type` with the active path's kernel; group_bytes: one group's weights and fields.
+void run_blocks(BlockType type, const BlockLinear& p, int64_t M, int64_t group_bytes) {
+  const BlockLinearFn kernel = kBlockKernels[static_cast<int>(active_kernel_path())][type];
+  const int64_t G = (p.N + 7) / 8;
+  run_parallel(M, G, group_bytes, [&](int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+    kernel(p, g0, g1, m0, m1);
+  });
 }
 
 const uint16_t* half_bits(const at::Tensor& t) {
@@ -369,21 +415,19 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& weight,
   quantize_acts(x.const_data_ptr<float>(), M, K, acts);
   const ActsView view{acts.q.data(), acts.d.data(), acts.dsum.data(), acts.sum.data()};
 
+  BlockLinear p{weight.const_data_ptr(), half_bits(*scales), nullptr, view, nb, N, y};
   if (qtype == "Q8_0") {
     check_param(weight, at::kChar, G, nb, 256, "weight");
-    Q8Kernel k{weight.const_data_ptr<int8_t>(), half_bits(*scales), view, nb};
-    run(k, M, N, nb * (256 + 16), y);
+    run_blocks(kQ8_0, p, M, nb * (256 + 16));
   } else if (qtype == "Q4_0") {
     check_param(weight, at::kByte, G, nb, 128, "weight");
-    Q4Kernel<false> k{weight.const_data_ptr<uint8_t>(), half_bits(*scales), nullptr, view, nb};
-    run(k, M, N, nb * (128 + 16), y);
+    run_blocks(kQ4_0, p, M, nb * (128 + 16));
   } else {
     check_param(weight, at::kByte, G, nb, 128, "weight");
     TORCH_CHECK(mins.has_value(), "speculant::packed_linear: Q4_1 needs mins");
     check_param(*mins, at::kHalf, G, nb, 8, "mins");
-    Q4Kernel<true> k{weight.const_data_ptr<uint8_t>(), half_bits(*scales), half_bits(*mins),
-                     view, nb};
-    run(k, M, N, nb * (128 + 32), y);
+    p.mins = half_bits(*mins);
+    run_blocks(kQ4_1, p, M, nb * (128 + 32));
   }
   return out;
 }

@@ -2,6 +2,7 @@
 // stay traceable by torch.compile (their fake implementations live in native.py).
 #include <torch/library.h>
 
+#include "kernel_path.h"
 #include "ops.h"
 
 TORCH_LIBRARY(speculant, m) {
@@ -23,6 +24,10 @@ TORCH_LIBRARY(speculant, m) {
       "Tensor slot_mapping, int num_heads) -> Tensor");
   m.def(
       "decoder_stack_register(Tensor?[] weights, int[] qtypes, int[] out_features) -> int");
+  // process-wide kernel path (no tensors, so registered for every dispatch key at once)
+  m.def("kernel_path() -> str", &speculant::kernel_path);
+  m.def("kernel_paths() -> str[]", &speculant::kernel_paths);
+  m.def("set_kernel_path(str path) -> str", &speculant::set_kernel_path);
   m.def("decoder_stack_release(int stack) -> ()", &speculant::decoder_stack_release);
   m.def(
       "decoder_stack(Tensor(a!) h, int stack, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "

@@ -1,0 +1,105 @@
+// Run-time choice of the kernel path (see kernel_path.h). Compiled with the common AVX2 flags:
+// it only asks the CPU (through libgcc's cpuid tables, which also check that the OS saves the
+// AVX-512 registers) and never runs the code of a path the CPU lacks.
+#include "kernel_path.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <iterator>
+#include <string_view>
+
+namespace speculant {
+namespace {
+
+struct PathInfo {
+  KernelPath path;
+  const char* name;
+  const char* features;  // what the path needs, as lscpu / /proc/cpuinfo spell it
+  bool (*supported)();
+};
+
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool has_avx512_vnni() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// In increasing order of preference: "auto" picks the last one the CPU supports.
+constexpr PathInfo kKernelPaths[] = {
+    {KernelPath::kAvx2, "avx2", "avx2 fma f16c", has_avx2},
+    {KernelPath::kAvx512Vnni, "avx512_vnni", "avx512f avx512bw avx512vl avx512_vnni",
+     has_avx512_vnni},
+};
+static_assert(std::size(kKernelPaths) == static_cast<size_t>(KernelPath::kNumPaths));
+
+const PathInfo& info(KernelPath path) { return kKernelPaths[static_cast<int>(path)]; }
+
+KernelPath best_path() {
+  KernelPath best = KernelPath::kAvx2;  // native.py loads the library only on AVX2 CPUs
+  for (const PathInfo& p : kKernelPaths) {
+    if (p.supported()) best = p.path;
+  }
+  return best;
+}
+
+// `name` as a path this CPU runs; `source` says where the name came from in the error.
+KernelPath parse_path(std::string_view name, const char* source) {
+  if (name == "auto") return best_path();
+  std::string known = "auto";
+  for (const PathInfo& p : kKernelPaths) {
+    if (name != p.name) {
+      known += std::string(", ") + p.name;
+      continue;
+    }
+    TORCH_CHECK(p.supported(), source, "=", name, ": this CPU lacks the ", p.name,
+                " kernel path (it needs ", p.features, "); use auto or a supported path");
+    return p.path;
+  }
+  TORCH_CHECK(false, source, "=", name, ": unknown kernel path; expected one of ", known);
+}
+
+KernelPath path_from_env() {
+  const char* env = std::getenv("SPECULANT_KERNEL_PATH");
+  return parse_path(env != nullptr && *env != '\0' ? env : "auto", "SPECULANT_KERNEL_PATH");
+}
+
+constexpr int kUnset = -1;
+std::atomic<int> active{kUnset};  // a KernelPath, or kUnset until first use
+
+}  // namespace
+
+KernelPath active_kernel_path() {
+  int path = active.load(std::memory_order_relaxed);
+  if (path == kUnset) {
+    // a bad variable throws here, and again at every later call, never picking a path silently
+    int expected = kUnset;
+    active.compare_exchange_strong(expected, static_cast<int>(path_from_env()));
+    path = active.load(std::memory_order_relaxed);
+  }
+  return static_cast<KernelPath>(path);
+}
+
+std::string kernel_path() { return info(active_kernel_path()).name; }
+
+std::vector<std::string> kernel_paths() {
+  std::vector<std::string> names;
+  for (const PathInfo& p : kKernelPaths) {
+    if (p.supported()) names.emplace_back(p.name);
+  }
+  return names;
+}
+
+std::string set_kernel_path(const std::string& name) {
+  const KernelPath path = parse_path(name, "set_kernel_path");
+  const KernelPath previous = active_kernel_path();
+  active.store(static_cast<int>(path), std::memory_order_relaxed);
+  return info(previous).name;
+}
+
+}  // namespace speculant

