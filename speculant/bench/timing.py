@@ -142,12 +142,15 @@ def spread(values: list[float]) -> dict:
 
 
 def machine_info(threads: int) -> dict:
-    """What the README's table needs to say where it was measured."""
+    """What the README's table needs to say where it was measured. `kernel_path`: the path the
+    CPU linear kernels ran on ("avx2", "avx512_vnni"; "torch" for the PyTorch fallback)."""
     import torch
+
+    from speculant.kernels.native import kernel_path
 
     return {"cpu": _cpu_model(), "num_cpus": os.cpu_count() or 0, "threads": threads,
             "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "kernel_path": kernel_path()}
 
 
 def _cpu_model() -> str:
