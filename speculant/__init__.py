@@ -1,5 +1,5 @@
 """speculant: a speculative-decoding LLM inference engine and server on PyTorch."""
-from speculant.sampling_params import SamplingParams, SpecParams
+from speculant.engine.sampling_params import SamplingParams, SpecParams
 
 __all__ = ["LLM", "SamplingParams", "SpecParams", "Engine", "EngineConfig"]
 __version__ = "0.1.0"
@@ -11,9 +11,9 @@ def __getattr__(name):
         from speculant.llm import LLM
         return LLM
     if name == "Engine":
-        from speculant.engine import Engine
+        from speculant.engine.engine import Engine
         return Engine
     if name == "EngineConfig":
-        from speculant.engine_config import EngineConfig
+        from speculant.engine.config import EngineConfig
         return EngineConfig
     raise AttributeError(name)

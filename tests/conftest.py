@@ -17,8 +17,8 @@ torch.set_num_threads(TEST_THREADS)
 @pytest.fixture(scope="session")
 def default_tokenizer_dir(tmp_path_factory):
     """The default model's tokenizer files (converted from its GGUF), for tiny test models."""
-    from speculant.loader import resolve_model
-    from speculant.tokenizer import _gguf_tokenizer_files
+    from speculant.models.loader import resolve_model
+    from speculant.models.tokenizer import _gguf_tokenizer_files
 
     files = _gguf_tokenizer_files(resolve_model("default").path)
     return os.path.dirname(files.tokenizer_json)
@@ -53,10 +53,11 @@ def save_tiny_hf_model(folder, tokenizer_dir, model_type: str, seed: int = 0, nu
 @pytest.fixture(scope="session")
 def default_engine():
     """The default model (quantized weights, native kernels) with every model-free speculator."""
-    from speculant.engine import Engine
-    from speculant.spec.base import registered_names
+    from speculant.engine.engine import Engine
+    from speculant.speculators.registry import registered_names, speculator_class
 
-    names = [n for n in registered_names() if n not in ("draft", "synthetic")]
+    names = [n for n in registered_names()
+             if n != "synthetic" and not speculator_class(n).is_model_based]
     return Engine(model="default", spec_type=names, max_num_seqs=8, kv_cache_tokens=32768,
                   num_threads=TEST_THREADS)
 
@@ -65,12 +66,12 @@ def decode_all(engine, prompts, params, batch=None):
     """Add every prompt, step the engine until all finish, release them; returns the sequences.
     `batch` caps how many decode together (the scheduler's max_num_seqs)."""
     if batch is not None:
-        engine.scheduler.max_num_seqs = batch
+        engine.set_limits(max_num_seqs=batch)
     return engine.run_to_completion(prompts, params)
 
 
 def dev_prompts(categories, limit):
-    from speculant.prompt_set import read_prompts
+    from speculant.data.prompt_set import read_prompts
 
     if not os.path.exists(DEV_PROMPTS):
         pytest.skip(f"dev prompts not found at {DEV_PROMPTS}")

@@ -20,9 +20,10 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from urllib.parse import urlparse
 
-from speculant.bench_report import PLAIN, RunResult, now_iso
+from speculant.bench.options import PeerSpec, check_args, parse_compare, parse_levels, parse_methods
+from speculant.bench.report import PLAIN, RunResult, emit_report, now_iso
+from speculant.speculators.counters import total
 
 BUILTIN_PROMPTS = [
     "Explain how a hash map works, with an example in Python.",
@@ -36,55 +37,11 @@ BUILTIN_PROMPTS = [
 ]
 
 
-def add_bench_args(p) -> None:
-    g = p.add_argument_group("bench")
-    g.add_argument("--prompts", default=None, help="JSONL prompt file (default: 8 built-in prompts)")
-    g.add_argument("--categories", default=None, help="comma-separated categories of --prompts")
-    g.add_argument("--limit", type=int, default=None, help="prompts per category")
-    g.add_argument("--concurrency", default="1,8", help="comma-separated concurrency levels")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
-    g.add_argument("--repeats", type=int, default=1, help="repeats per measurement (median shown)")
-    g.add_argument("--warmup-tokens", type=int, default=16,
-                   help="tokens of the untimed warm-up run of each method (0: none)")
-    g.add_argument("--verify", default="auto", choices=["auto", "greedy", "match", "rejection"])
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--ignore-eos", action="store_true",
-                   help="always generate --max-tokens (fixed-length decode measurement)")
-    g.add_argument("--compare", default=None, metavar="PEERS",
-                   help="peers measured in the same run, comma separated: hf, openai=URL")
-    g.add_argument("--peer-repeats", type=int, default=None, metavar="N",
-                   help="repeats of each --compare peer (default: --repeats)")
-    g.add_argument("--hf-prompt-lookup", type=int, default=10, metavar="N",
-                   help="prompt_lookup_num_tokens of the hf prompt-lookup peer (0: skip it)")
-    g.add_argument("--openai-timeout", type=float, default=300.0, metavar="S",
-                   help="seconds per request to an openai peer")
-    g.add_argument("--rerun-on-interference", type=int, default=0, metavar="N",
-                   help="re-run a measurement up to N times while other processes use the CPU")
-    g.add_argument("--interference-tolerance", type=float, default=0.25, metavar="CORES",
-                   help="average cores other processes may use before a run is flagged")
-    g.add_argument("--record", default=None, metavar="FILE",
-                   help="save the plain run's outputs as replay records (JSONL)")
-    g.add_argument("--replay", default=None, metavar="RECORDS",
-                   help="no model: replay recorded outputs through the --spec-type chains")
-    g.add_argument("--replay-row-cost", type=float, default=None, metavar="C",
-                   help="replay: what verifying one draft token costs, as a fraction of a plain "
-                        "decode step (default: the engine's prior); prices drafts in the chain "
-                        "and gives each row's est_speedup")
-    g.add_argument("--out-dir", default="bench_out", help="directory of the dated JSON and chart")
-    g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
-
-
 @dataclass(slots=True)
 class BenchPrompt:
     id: str
     category: str
     text: str
-
-
-@dataclass(slots=True)
-class PeerSpec:
-    kind: str  # "hf" | "openai"
-    url: str | None = None
 
 
 @dataclass(slots=True)
@@ -104,75 +61,12 @@ class Run:
         return st.decode_tokens / st.decode_time_s if st.decode_time_s else 0.0
 
 
-# ---- arguments ---------------------------------------------------------------------------------
-
-def parse_methods(spec_type: str) -> list[tuple[str, list[str]]]:
-    """'ngram_mod,suffix;draft' -> [('plain', []), ('ngram_mod,suffix', [...]), ('draft', [...])]."""
-    from speculant.engine_config import parse_spec_types
-
-    methods = [(PLAIN, [])]
-    for chain in (spec_type or "none").split(";"):
-        types = parse_spec_types(chain)
-        if types:
-            methods.append((",".join(types), types))
-    return methods
-
-
-def parse_levels(text: str) -> list[int]:
-    try:
-        levels = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        levels = []
-    if not levels or min(levels) < 1:
-        raise ValueError(f"--concurrency needs positive integers, got {text!r}")
-    return levels
-
-
-def parse_compare(value: str | None) -> list[PeerSpec]:
-    """'hf,openai=http://127.0.0.1:8080' -> [PeerSpec('hf'), PeerSpec('openai', 'http://...')]."""
-    peers = []
-    for item in (value or "").split(","):
-        kind, sep, url = item.strip().partition("=")
-        if kind == "hf" and not sep:
-            peers.append(PeerSpec("hf"))
-        elif kind == "openai" and sep and _is_http_url(url):
-            peers.append(PeerSpec("openai", url))
-        elif item.strip():
-            raise ValueError(f"--compare: unknown peer {item.strip()!r}; expected 'hf' or "
-                             f"'openai=URL' (e.g. openai=http://127.0.0.1:8080)")
-    if value is not None and not peers:
-        raise ValueError("--compare: no peer given; expected 'hf' or 'openai=URL'")
-    return peers
-
-
-def _is_http_url(url: str) -> bool:
-    parsed = urlparse(url)
-    return parsed.scheme in ("http", "https") and bool(parsed.netloc)
-
-
-def _check_args(args) -> None:
-    """Validate the bench flags (and default --peer-repeats to --repeats)."""
-    if args.peer_repeats is None:
-        args.peer_repeats = args.repeats
-    for name, low in (("repeats", 1), ("peer_repeats", 1), ("max_tokens", 1), ("warmup_tokens", 0),
-                      ("rerun_on_interference", 0), ("hf_prompt_lookup", 0)):
-        if getattr(args, name) < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
-    if args.replay and (args.compare or args.record):
-        raise ValueError("--replay runs no model: --compare and --record do not apply")
-    if args.replay_row_cost is not None:
-        if not args.replay:
-            raise ValueError("--replay-row-cost applies only with --replay")
-        if not 0.0 <= args.replay_row_cost < 1.0:
-            raise ValueError(f"--replay-row-cost must be in [0, 1), got {args.replay_row_cost}")
-
-
 # ---- the run -----------------------------------------------------------------------------------
 
 def run_bench(args) -> int:
-    _check_args(args)
+    check_args(args)
     if args.replay:
-        from speculant.bench_replay import run_replay
+        from speculant.bench.replay import run_replay
 
         return run_replay(args)
     levels = parse_levels(args.concurrency)
@@ -193,9 +87,9 @@ def run_bench(args) -> int:
 
 
 def _engine(args, levels: list[int], methods):
-    from speculant.cli import engine_options
-    from speculant.engine import Engine
-    from speculant.engine_config import EngineConfig
+    from speculant.cli.options import engine_options
+    from speculant.engine.engine import Engine
+    from speculant.engine.config import EngineConfig
 
     options = engine_options(args, max_num_seqs=max(levels))
     options["spec_type"] = sorted({t for _, types in methods for t in types})
@@ -213,7 +107,7 @@ def _prompt_groups(args, tokenizer) -> dict[str, list[BenchPrompt]]:
         return {"builtin": [BenchPrompt(f"builtin-{i}", "builtin",
                                         tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                             for i, p in enumerate(BUILTIN_PROMPTS[:args.limit])]}
-    from speculant.prompt_set import first_turn_prompt, read_prompts
+    from speculant.data.prompt_set import first_turn_prompt, read_prompts
 
     cats = args.categories.split(",") if args.categories else None
     groups: dict[str, list[BenchPrompt]] = {}
@@ -226,7 +120,7 @@ def _prompt_groups(args, tokenizer) -> dict[str, list[BenchPrompt]]:
 
 
 def _params(args, types: list[str], max_tokens: int | None = None):
-    from speculant.sampling_params import SamplingParams, SpecParams
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
 
     spec = SpecParams(enabled=bool(types), types=types or None, verify=args.verify)
     return SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=args.temperature,
@@ -238,7 +132,7 @@ def _warm_up(engine, args, methods, groups) -> None:
     if args.warmup_tokens == 0:
         return
     shortest = min((p.text for ps in groups.values() for p in ps), key=len)
-    engine.scheduler.max_num_seqs = 1
+    engine.set_limits(max_num_seqs=1)
     for _, types in _progress(methods, "warm-up", "method"):
         engine.run_to_completion([shortest], _params(args, types, args.warmup_tokens))
     engine.reset_stats()
@@ -271,13 +165,13 @@ def _measure_all(engine, args, methods, groups, levels, threads):
 
 
 def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
-    from speculant.bench_timing import run_with_reruns
+    from speculant.bench.timing import run_with_reruns
 
     params = _params(args, types)
     texts = [p.text for p in prompts]
 
     def once():
-        engine.scheduler.max_num_seqs = level
+        engine.set_limits(max_num_seqs=level)
         engine.reset_stats()
         t0 = time.perf_counter()
         seqs = engine.run_to_completion(texts, params)
@@ -294,10 +188,7 @@ def _result(name: str, category: str, level: int, runs: list[Run],
     rates = [r.decode_rate for r in runs]
     chosen = runs[rates.index(statistics.median_low(rates))]
     st, seqs = chosen.stats, chosen.seqs
-    steps = sum(s.spec.num_steps for s in seqs)
-    drafts = sum(s.spec.num_drafts for s in seqs)
-    draft_tok = sum(s.spec.num_draft_tokens for s in seqs)
-    acc_tok = sum(s.spec.num_accepted_tokens for s in seqs)
+    spec = total(s.spec for s in seqs)
     gen = sum(s.num_generated for s in seqs)
     step_time = st.time_draft_s + st.time_forward_s + st.time_verify_s
     return RunResult(
@@ -305,12 +196,13 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         prompt_tokens=sum(s.num_prompt for s in seqs), generated_tokens=gen,
         prefill_tok_s=round(st.num_prompt_tokens / st.prefill_time_s, 1) if st.prefill_time_s else 0.0,
         decode_tok_s=round(statistics.median(rates), 2), e2e_tok_s=round(gen / chosen.wall_s, 2),
-        mean_accepted_length=round(1 + acc_tok / steps, 3) if steps and drafts else 1.0,
-        acceptance_rate=round(acc_tok / draft_tok, 3) if draft_tok else 0.0,
+        mean_accepted_length=round(spec.mean_accepted_length, 3),
+        acceptance_rate=round(spec.acceptance_rate, 3),
         draft_time_share=round(st.time_draft_s / step_time, 3) if step_time else 0.0,
         identical_to_plain=_num_identical(runs, plain[0]) if plain else None,
         repeats_decode_tok_s=[round(r, 2) for r in rates], decode_tok_s_best=round(max(rates), 2),
-        num_steps=steps, num_drafts=drafts, num_draft_tokens=draft_tok, num_accepted_tokens=acc_tok,
+        num_steps=spec.num_steps, num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+        num_accepted_tokens=spec.num_accepted_tokens,
         interference=any(r.usage.interference for r in runs),
         other_cpu_cores=round(max(r.usage.other_cpu_cores for r in runs), 3),
         own_cpu_util=round(statistics.median(r.usage.own_cpu_util for r in runs), 3),
@@ -352,14 +244,14 @@ def _compare(args, engine, groups, specs: list[PeerSpec], threads: int) -> list:
     peers = []
     for spec in specs:
         if spec.kind == "hf":
-            from speculant.hf_peer import run_hf_peer
+            from speculant.bench.hf_peer import run_hf_peer
 
             peers += run_hf_peer(engine.model_path, texts, args.max_tokens, args.peer_repeats,
                                  prompt_lookup=args.hf_prompt_lookup, draft_model=args.draft_model,
                                  threads=threads, max_reruns=args.rerun_on_interference,
                                  tolerance=args.interference_tolerance)
         else:
-            from speculant.bench_openai import run_openai_peer
+            from speculant.bench.openai_peer import run_openai_peer
 
             peers += run_openai_peer(spec.url, texts, args.max_tokens, args.peer_repeats,
                                      timeout_s=args.openai_timeout, ignore_eos=args.ignore_eos)
@@ -367,7 +259,7 @@ def _compare(args, engine, groups, specs: list[PeerSpec], threads: int) -> list:
 
 
 def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
-    from speculant.bench_timing import machine_info
+    from speculant.bench.timing import machine_info
 
     return {"date": date, "machine": machine_info(threads), "model": engine.model_path,
             "dtype": engine.config.dtype, "kv_dtype": engine.config.kv_dtype,
@@ -377,31 +269,11 @@ def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
 
 
 def _report(args, meta: dict, results: list[RunResult], peers: list) -> int:
-    from speculant.bench_report import build_report, markdown_table, peers_table, summary_text
+    from speculant.bench.report import build_report, markdown_table, peers_table, summary_text
 
     report = build_report(meta, results, peers)
     emit_report(report, args, [markdown_table(report), peers_table(report), summary_text(report)])
     return 0
-
-
-def emit_report(report: dict, args, sections: list[str], prefix: str = "bench",
-                chart: bool = True) -> None:
-    """Files first (their paths go into the JSON), then the text, then the JSON line last."""
-    from speculant.bench_report import write_outputs
-
-    try:
-        write_outputs(report, args.out_dir, prefix, chart)
-    except ImportError as exc:  # matplotlib is in the `bench` extra
-        _progress_write(f"warning: no chart ({exc}); install speculant[bench]")
-        write_outputs(report, args.out_dir, prefix, chart=False)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(report, f, indent=1)
-    files = report["files"]
-    sections = [s for s in sections if s]
-    sections.append(f"Wrote {files['json']}" + (f" and {files['chart']}" if files["chart"] else ""))
-    print("\n\n".join(sections))
-    print(json.dumps(report), flush=True)
 
 
 def _progress(items, desc: str, unit: str, total: int | None = None):

@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from speculant.bench_report import PeerResult
+from speculant.bench.report import PeerResult
 
 
 def load_hf_model(model_path: str):
@@ -121,7 +121,7 @@ def _measure_prompt(model, ids, methods: list[HfMethod], tallies: dict[str, _Tal
 
 def _watched(model, ids, n: int, m: HfMethod, watch: tuple, label: str) -> tuple[float, int, bool]:
     """(seconds, tokens generated, interfered) of one `generate`, re-run on interference."""
-    from speculant.bench_timing import run_with_reruns
+    from speculant.bench.timing import run_with_reruns
 
     threads, max_reruns, tolerance = watch
     (seconds, num), usage, _ = run_with_reruns(lambda: _timed_generate(model, ids, n, m.kwargs),

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
-from speculant.bench_report import PeerResult
+from speculant.bench.report import PeerResult
 
 
 def api_base(url: str) -> str:

@@ -2,7 +2,7 @@
 
 Records are `{"id", "category", "prompt_ids", "output_ids"}` (what `speculant bench --record`
 writes; `id` and `category` are optional). Each ';'-separated chain of --spec-type replays every
-category's records through `speculant.spec.replay`, driven through a `SpeculatorChain` as the
+category's records through `speculant.speculators.replay`, driven through a `SpeculatorChain` as the
 engine drives it (every member proposes, the chain picks and trims the winner), with fresh
 speculator state per chain and category and the records of a category in file order (state such
 as the suffix drafter's global tree carries from one record to the next, as in a server).
@@ -35,17 +35,17 @@ import sys
 import time
 from types import SimpleNamespace
 
-from speculant.spec.base import (
+from speculant.speculators.base import (
     CommittedTokens,
     Draft,
     DraftParams,
     DraftRequest,
     Speculator,
     SpeculatorContext,
-    speculator_class,
 )
-from speculant.spec.chain import SpeculatorChain
-from speculant.spec.replay import ReplayStats, load_records, replay_record
+from speculant.speculators.registry import speculator_class
+from speculant.speculators.chain import SpeculatorChain
+from speculant.speculators.replay import ReplayStats, load_records, replay_record
 
 SCHEMA = "speculant-bench-replay/1"
 
@@ -76,14 +76,14 @@ class ChainDrafter(Speculator):
 
 
 def default_row_cost() -> float:
-    from speculant.step_cost import StepCostModel
+    from speculant.engine.step_cost import StepCostModel
 
     return StepCostModel().cost_per_token(1)
 
 
 def build_chain(types: list[str], vocab_size: int, spec_options: dict,
                 row_cost: float) -> ChainDrafter:
-    from speculant.spec.factory import create_speculators
+    from speculant.speculators.factory import create_speculators
 
     for name in types:
         if speculator_class(name).is_model_based:
@@ -114,18 +114,12 @@ def est_speedup(num_decoded: int, num_steps: int, num_draft_tokens: int, row_cos
 
 def result_row(category: str, method: str, stats: ReplayStats, seconds: float,
                row_cost: float) -> dict:
-    """One row of the replay JSON; steps exclude the prefill, as the engine counts them."""
-    steps = stats.steps - stats.num_records if stats.num_generated else 0
-    num_decoded = stats.num_generated - stats.num_records if stats.num_generated else 0
+    """One row of the replay JSON (counters as the engine counts them: decode steps only)."""
     return {"category": category, "method": method, "num_records": stats.num_records,
-            "num_generated": stats.num_generated, "num_steps": steps,
-            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
-            "num_accepted_tokens": stats.num_accepted_tokens,
-            "mean_accepted_length": round(1 + stats.num_accepted_tokens / steps, 3) if steps else 1.0,
-            "est_speedup": round(est_speedup(num_decoded, steps, stats.num_draft_tokens, row_cost), 3),
-            "acceptance_rate": round(stats.acceptance_rate, 3),
-            "accepted_per_pos": list(stats.accepted_per_pos),
-            "spec_ms_per_step": round(1e3 * seconds / stats.steps, 3) if stats.steps else 0.0}
+            "num_generated": stats.num_generated, **stats.summary(3),
+            "est_speedup": round(est_speedup(stats.num_decoded, stats.num_steps,
+                                             stats.num_draft_tokens, row_cost), 3),
+            "spec_ms_per_step": round(1e3 * seconds / stats.num_steps, 3) if stats.num_steps else 0.0}
 
 
 def group_records(records: list[dict], categories: list[str] | None,
@@ -145,9 +139,10 @@ def group_records(records: list[dict], categories: list[str] | None,
 def run_replay(args) -> int:
     from tqdm import tqdm
 
-    from speculant.bench import emit_report, parse_methods
-    from speculant.bench_report import now_iso
-    from speculant.cli import parse_spec_options
+    from speculant.bench.options import parse_methods
+    from speculant.bench.report import emit_report
+    from speculant.bench.report import now_iso
+    from speculant.cli.options import parse_spec_options
 
     methods = [(name, types) for name, types in parse_methods(args.spec_type) if types]
     if not methods:
@@ -191,7 +186,7 @@ def _best(rows: list[dict]) -> dict:
 
 
 def replay_table(rows: list[dict]) -> str:
-    from speculant.bench_report import markdown
+    from speculant.bench.report import markdown
 
     head = ["category", "method", "records", "tokens", "acc.len", "est. speedup", "acc.rate",
             "drafts", "spec ms/step"]

@@ -75,6 +75,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
@@ -407,3 +408,23 @@ def write_outputs(report: dict, out_dir: str, prefix: str = "bench", chart: bool
 
 def now_iso() -> str:
     return datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def emit_report(report: dict, args, sections: list[str], prefix: str = "bench",
+                chart: bool = True) -> None:
+    """Files first (their paths go into the JSON), then the text, then the JSON line last."""
+    try:
+        write_outputs(report, args.out_dir, prefix, chart)
+    except ImportError as exc:  # matplotlib is in the `bench` extra
+        from tqdm import tqdm
+
+        tqdm.write(f"warning: no chart ({exc}); install speculant[bench]", file=sys.stderr)
+        write_outputs(report, args.out_dir, prefix, chart=False)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+    files = report["files"]
+    sections = [s for s in sections if s]
+    sections.append(f"Wrote {files['json']}" + (f" and {files['chart']}" if files["chart"] else ""))
+    print("\n\n".join(sections))
+    print(json.dumps(report), flush=True)

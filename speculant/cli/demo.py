@@ -25,9 +25,9 @@ def add_demo_args(p) -> None:
 
 
 def run_demo(args) -> int:
-    from speculant.cli import engine_options
+    from speculant.cli.options import engine_options
     from speculant.llm import LLM
-    from speculant.sampling_params import SamplingParams, SpecParams
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
 
     if args.spec_type in (None, "", "none"):
         args.spec_type = DEMO_SPEC
@@ -49,8 +49,8 @@ def run_demo(args) -> int:
     print(f"\n[speculant] identical output: {'yes' if same else 'NO'}; "
           f"plain {plain.decode_tokens_per_s:.1f} tok/s, speculative "
           f"{spec_out.decode_tokens_per_s:.1f} tok/s -> {speedup:.2f}x")
-    from speculant.stats_table import format_speculator_table
+    from speculant.cli.stats_table import format_speculator_table
 
-    print(format_speculator_table(llm.engine.chain.stats))
+    print(format_speculator_table(llm.engine.speculator_stats()))
     return 0 if same else 1
 

@@ -5,9 +5,10 @@ import json
 import sys
 import time
 
-from speculant.cli import engine_options, sampling_params
-from speculant.prompt_set import PromptRecord, first_turn_prompt, next_turn_prompt, read_prompts
-from speculant.request_output import RequestOutput
+from speculant.cli.options import engine_options, sampling_params
+from speculant.data.prompt_set import PromptRecord, first_turn_prompt, next_turn_prompt, read_prompts
+from speculant.engine.request_output import RequestOutput
+from speculant.speculators.counters import total
 
 
 def run_generate(args) -> int:
@@ -28,6 +29,7 @@ def run_generate(args) -> int:
     t0 = time.perf_counter()
     results = _run_records(llm, records, params, args, streamer)
     wall_s = time.perf_counter() - t0
+    llm.engine.save_speculators()  # e.g. ngram_cache's dynamic table, when it names a file
     for record, outs in results:
         if args.json:
             print(json.dumps(_json_object(record, outs)), flush=True)
@@ -66,6 +68,7 @@ def _run_records(llm, records, params, args, streamer):
 def _json_object(record: PromptRecord, outs: list[RequestOutput]) -> dict:
     time_s = sum(o.time_s for o in outs)
     num_generated = sum(o.num_generated for o in outs)
+    decode_s = sum(o.decode_time_s for o in outs)
     return {
         "id": record.id,
         "category": record.category,
@@ -76,23 +79,21 @@ def _json_object(record: PromptRecord, outs: list[RequestOutput]) -> dict:
         "num_generated": num_generated,
         "time_s": round(time_s, 4),
         "tokens_per_s": round(num_generated / time_s, 2) if time_s > 0 else 0.0,
+        "queue_time_s": round(sum(o.queue_time_s for o in outs), 4),
+        "prefill_time_s": round(sum(o.prefill_time_s for o in outs), 4),
+        "decode_time_s": round(decode_s, 4),
+        "decode_tokens_per_s": round(sum(o.num_generated - 1 for o in outs if o.num_generated)
+                                     / decode_s, 2) if decode_s > 0 else 0.0,
         "finish_reason": outs[-1].finish_reason,
-        "spec": _merge_spec([o.spec for o in outs]),
+        "spec": _merge_spec(outs),
     }
 
 
-def _merge_spec(specs: list[dict]) -> dict:
-    if len(specs) == 1:
-        return specs[0]
-    out = dict(specs[-1])
-    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_steps"):
-        out[key] = sum(s[key] for s in specs)
-    out["mean_accepted_length"] = round(1 + out["num_accepted_tokens"] / out["num_steps"], 4) \
-        if out["num_steps"] else 0.0
-    width = max(len(s["accepted_per_pos"]) for s in specs)
-    out["accepted_per_pos"] = [sum(s["accepted_per_pos"][i] for s in specs if i < len(s["accepted_per_pos"]))
-                               for i in range(width)]
-    return out
+def _merge_spec(outs: list) -> dict:
+    """The `spec` object of a multi-turn record: the last turn's fields, every turn's counts."""
+    if len(outs) == 1:
+        return outs[0].spec
+    return {**outs[-1].spec, **total(o.counters for o in outs).summary()}
 
 
 class _Streamer:
@@ -116,7 +117,7 @@ class _Streamer:
 
 
 def _print_summary(llm, outs: list[RequestOutput], wall_s: float) -> None:
-    from speculant.stats_table import format_speculator_table
+    from speculant.cli.stats_table import format_speculator_table
 
     num_gen = sum(o.num_generated for o in outs)
     num_prompt = sum(o.num_prompt_tokens for o in outs)
@@ -124,5 +125,5 @@ def _print_summary(llm, outs: list[RequestOutput], wall_s: float) -> None:
     print(f"\n[speculant] {len(outs)} request(s): {num_prompt} prompt tokens, {num_gen} generated "
           f"in {wall_s:.2f} s -> {num_gen / wall_s:.1f} tok/s"
           + (f" (prefill {num_prompt / prefill_s:.0f} tok/s)" if prefill_s > 0 else ""))
-    if llm.engine.chain.names:
-        print(format_speculator_table(llm.engine.chain.stats, llm.engine.stats))
+    if llm.engine.speculator_names:
+        print(format_speculator_table(llm.engine.speculator_stats(), llm.engine.stats))

@@ -32,7 +32,7 @@ class ParityResult:
 
 
 def add_parity_args(p) -> None:
-    from speculant.distill import DEFAULT_PROMPTS
+    from speculant.training.distill import DEFAULT_PROMPTS
 
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="JSONL prompt file")
     p.add_argument("--categories", default=DEFAULT_CATEGORIES, help="comma-separated categories")
@@ -47,10 +47,10 @@ def add_parity_args(p) -> None:
 def run_parity(args) -> int:
     import torch
 
-    from speculant.hf_peer import load_hf_model
+    from speculant.bench.hf_peer import load_hf_model
     from speculant.llm import LLM
-    from speculant.loader import resolve_model
-    from speculant.prompt_set import first_turn_prompt, read_prompts
+    from speculant.models.loader import resolve_model
+    from speculant.data.prompt_set import first_turn_prompt, read_prompts
 
     if args.limit < 1 or args.max_tokens < 1:
         raise ValueError("parity: --limit and --max-tokens must be >= 1")
@@ -99,8 +99,8 @@ def _hf_reference(hf_model, ids: list[list[int]], max_tokens: int) -> list[tuple
 def _compare(llm, dtype: str, ids: list[list[int]], refs: list[tuple], max_tokens: int) -> ParityResult:
     import torch
 
-    from speculant.sampling_params import SamplingParams, SpecParams
-    from speculant.spec.ngram_match import common_prefix_len
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
+    from speculant.speculators.ngram_match import common_prefix_len
 
     t0 = time.perf_counter()
     devs = [(prompt_logits(llm.engine.model, p) - ref_logits).abs()
@@ -119,7 +119,7 @@ def _compare(llm, dtype: str, ids: list[list[int]], refs: list[tuple], max_token
 
 def prompt_logits(model, ids: list[int]):
     """Our logits at every position of `ids` [T, V], in a KV cache of their own."""
-    from speculant.forward_batch import SeqChunk, build_forward_batch
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 
     block_size = 16
     cache = model.new_kv_cache(num_blocks=len(ids) // block_size + 1, block_size=block_size)

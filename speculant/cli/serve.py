@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from speculant.cli import engine_options
+from speculant.cli.options import engine_options
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from speculant.engine_config import EngineConfig
+    from speculant.engine.config import EngineConfig
     from speculant.server.app import create_app
 
     if not 0 <= args.port < 65536:
@@ -32,9 +32,7 @@ def run_serve(args) -> int:
     if args.parallel < 1 or args.max_queue < 1:
         raise ValueError("--parallel and --max-queue must be >= 1")
     opts = engine_options(args, max_num_seqs=args.parallel)
-    # The engine's waiting queue also holds requests the free slots are about to take; the
-    # server bounds the requests beyond those (see EngineLoop).
-    opts["max_queue"] = args.max_queue + args.parallel
+    opts["max_queue"] = args.max_queue  # waiting beyond the free slots (Scheduler.add)
     t0 = time.perf_counter()
     app = create_app(EngineConfig(model=args.model, **opts), api_key=args.api_key,
                      max_queue=args.max_queue)

@@ -11,9 +11,9 @@ def format_speculator_table(stats: dict, engine_stats=None) -> str:
         calls = f"{s.num_calls_begin}/{s.num_calls_draft}/{s.num_calls_accept}"
         per_pos = " ".join(str(n) for n in s.accepted_per_pos[:16])
         lines.append(
-            f"{name:<14} {calls:>14} {s.num_drafts:>7} {s.num_drafts_won:>6} "
+            f"{name:<14} {calls:>14} {s.num_proposals:>7} {s.num_drafts:>6} "
             f"{s.num_drafts_accepted:>10} {s.num_draft_tokens:>9} {s.num_accepted_tokens:>8} "
-            f"{s.acceptance_rate():>6.2f} {1000 * s.time_draft_s:>9.1f}  {per_pos}")
+            f"{s.acceptance_rate:>6.2f} {1000 * s.time_draft_s:>9.1f}  {per_pos}")
     if engine_stats is not None and engine_stats.num_steps:
         e = engine_stats
         lines.append(f"engine: {e.num_steps} steps, {e.num_forward_tokens} forward tokens, "

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from speculant.kv_cache import KV_DTYPES
-from speculant.loader import DTYPES
+from speculant.engine.kv_cache import KV_DTYPES
+from speculant.models.loader import DTYPES
 
 
 def parse_spec_types(value) -> list[str]:
@@ -24,6 +24,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads; None = all cores
     max_num_seqs: int = 16  # sequences decoded together
     max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks are cut to fit)
+    # Tokens per forward while any sequence decodes: bounds the time a long prompt's chunk adds
+    # to every decoding sequence's next token (~1.5 ms per prompt token on 2 CPU cores).
+    max_step_tokens_decoding: int = 64
     max_model_len: int | None = None  # None = the model's context length
     kv_cache_tokens: int = 32768  # KV capacity shared by all sequences
     # KV cache element type: float16 (llama.cpp's default too) or float32; auto = float32 with
@@ -36,9 +39,6 @@ class EngineConfig:
     spec_n_min: int = 0
     spec_p_min: float = 0.0
     spec_options: dict = field(default_factory=dict)  # speculator name -> its config overrides
-    draft_model: str | None = None
-    # Synthetic acceptance (benchmarking only): per-position acceptance rates; outputs invalid.
-    spec_synth_rates: list[float] | None = None
     max_queue: int = 256  # waiting requests beyond the running ones
 
     def __post_init__(self) -> None:
@@ -50,8 +50,8 @@ class EngineConfig:
             self.kv_dtype = "float32" if self.dtype == "float32" else "float16"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_tokens", "block_size",
-                     "max_queue"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_step_tokens_decoding",
+                     "kv_cache_tokens", "block_size", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_threads is not None and self.num_threads < 1:
@@ -64,9 +64,7 @@ class EngineConfig:
             raise ValueError(f"spec_n_min must be in [0, spec_n_max], got {self.spec_n_min}")
         if not 0.0 <= self.spec_p_min <= 1.0:
             raise ValueError(f"spec_p_min must be in [0, 1], got {self.spec_p_min}")
-        if self.spec_synth_rates is not None and not all(0 <= r <= 1 for r in self.spec_synth_rates):
-            raise ValueError(f"spec_synth_rates must be in [0, 1], got {self.spec_synth_rates}")
-        if self.spec_synth_rates is not None and "synthetic" not in self.spec_type:
-            self.spec_type.append("synthetic")
-        if "draft" in self.spec_type and not self.draft_model:
-            raise ValueError("spec type 'draft' needs --draft-model PATH")
+        if not isinstance(self.spec_options, dict) or not all(
+                isinstance(v, dict) for v in self.spec_options.values()):
+            raise ValueError(f"spec_options must map speculator names to option dicts, "
+                             f"got {self.spec_options!r}")

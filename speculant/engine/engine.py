@@ -19,22 +19,23 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.engine_config import EngineConfig
-from speculant.forward_batch import SeqChunk, build_forward_batch
-from speculant.kv_cache import KV_DTYPES
-from speculant.loader import load_model
-from speculant.model import Model
-from speculant.sampler import Sampler
-from speculant.sampling_params import SamplingParams
-from speculant.scheduler import Scheduler
-from speculant.sequence import Sequence, SeqStatus
-from speculant.spec.base import CommittedTokens, Draft, DraftParams, DraftRequest, SpeculatorContext
-from speculant.spec.chain import SpeculatorChain
-from speculant.spec.factory import create_speculators
-from speculant.spec.synthetic import synthetic_num_accepted
-from speculant.step_cost import StepCostModel
-from speculant.tokenizer import load_tokenizer
-from speculant.verify import VerifyResult, verify_greedy, verify_match, verify_rejection
+from speculant.engine.config import EngineConfig
+from speculant.engine.detokenizer import Detokenizer
+from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+from speculant.engine.kv_cache import KV_DTYPES
+from speculant.models.loader import load_model
+from speculant.models.llama import Model
+from speculant.engine.sampler import Sampler
+from speculant.engine.sampling_params import SamplingParams
+from speculant.engine.scheduler import Scheduler
+from speculant.engine.sequence import Sequence
+from speculant.speculators.base import (CommittedTokens, Draft, DraftParams, DraftRequest, Speculator,
+                                        SpeculatorContext, SpeculatorStats, TargetView)
+from speculant.speculators.chain import SpeculatorChain
+from speculant.speculators.factory import create_speculators
+from speculant.engine.step_cost import StepCostModel
+from speculant.models.tokenizer import load_tokenizer
+from speculant.engine.verify import VerifyResult, verify_greedy, verify_match, verify_rejection
 
 log = logging.getLogger("speculant")
 
@@ -44,6 +45,19 @@ class StepUpdate:
     seq: Sequence
     new_token_ids: list[int]
     finished: bool
+    new_text: str = ""  # the text those tokens completed (incremental; stop strings cut)
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    max_num_seqs: int
+    running: list[Sequence]  # admitted sequences (prefilling or decoding)
+    num_waiting: int
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_steps: int
+    num_speculator_errors: int
 
 
 @dataclass(slots=True)
@@ -77,16 +91,18 @@ class Engine:
         self.cache = self.model.new_kv_cache(
             -(-config.kv_cache_tokens // config.block_size), config.block_size,
             KV_DTYPES[config.kv_dtype])
+        self._check_cache_holds_context()
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_queue)
+                                   config.max_queue, config.max_step_tokens_decoding)
         self.eos_token_ids = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
         self._spec_ctx = ctx = SpeculatorContext(vocab_size=loaded.config.vocab_size,
                                 eos_token_ids=tuple(self.eos_token_ids),
-                                max_seq_len=self.max_model_len, device=config.device)
-        self.chain = SpeculatorChain(create_speculators(config, ctx, self))
+                                max_seq_len=self.max_model_len, device=config.device,
+                                tokenizer=self.tokenizer, target=TargetView(
+                                    loaded.config, self.model_path, self.model.embed_tokens,
+                                    self.model.final_norm, self.model.lm_head))
+        self.chain = SpeculatorChain(create_speculators(config, ctx))
         self.cost = StepCostModel()
-        # Synthetic acceptance (benchmarks only) draws from its own generator: reproducible.
-        self._synth_rng = torch.Generator().manual_seed(0)
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
@@ -96,20 +112,35 @@ class Engine:
         # heap: ~10% of a decode step at context 1000 (measured).
         gc.freeze()
 
+    def _check_cache_holds_context(self) -> None:
+        """A sequence can never outgrow the whole KV cache: when the cache holds fewer tokens
+        than the context, the context shrinks to it (with a warning), so requests get a clear
+        limit instead of endless preemption."""
+        capacity = self.cache.capacity_tokens
+        if capacity < self.max_model_len:
+            log.warning("KV cache (%d tokens) cannot hold one request of max_model_len %d: "
+                        "requests are limited to %d tokens; raise --kv-cache-tokens",
+                        capacity, self.max_model_len, capacity)
+            self.max_model_len = capacity
+
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
+                    request_id: str | None = None, hidden_layers: tuple[int, ...] = ()) -> Sequence:
+        """Queue a request. `hidden_layers`: target layers whose residual stream (before the
+        final norm) is kept for every token the target processes for it, returned by
+        `captured_hidden_states` (the seeds' pre-norm embeddings API)."""
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(prompt_ids, params, request_id)
+        hidden_layers = self._check_layers(hidden_layers)
         seq_id = next(self._seq_ids)
         request_id = request_id or f"req-{seq_id}"
         seq = Sequence(seq_id=seq_id, request_id=request_id, prompt_ids=prompt_ids, params=params,
-                       sampler=Sampler(params, self.model_config.vocab_size))
+                       sampler=Sampler(params, self.model_config.vocab_size),
+                       capture_layers=hidden_layers, captured={i: [] for i in hidden_layers},
+                       detokenizer=Detokenizer(self.tokenizer, params.stop))
         seq.spec_types = self._spec_types(params)
-        n_max = self._n_max(params)
-        seq.kv_budget = min(len(prompt_ids) + params.max_tokens, self.max_model_len) + n_max + 1
         self.scheduler.add(seq)
         self._by_request[request_id] = seq
         if seq.spec_types:
@@ -130,6 +161,22 @@ class Engine:
                              f"{self.max_model_len} (prompt must leave room for one token)")
         if params.spec.verify == "greedy" and not params.is_greedy:
             raise ValueError("verify 'greedy' needs temperature 0; use 'match' or 'rejection'")
+
+    def _check_layers(self, layers) -> tuple[int, ...]:
+        num_layers = self.model_config.num_layers
+        layers = tuple(sorted(set(int(i) for i in layers)))
+        bad = [i for i in layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"hidden layer {bad[0]} outside the model's layers [0, {num_layers})")
+        return layers
+
+    def captured_hidden_states(self, seq: Sequence) -> dict[int, torch.Tensor]:
+        """layer -> [num tokens processed, hidden]: row i is the residual stream after that
+        layer at position i (prompt, then generated tokens; the last sampled token was never
+        processed, so it has no row)."""
+        hidden = self.model_config.hidden_size
+        return {i: torch.cat(rows) if rows else torch.zeros(0, hidden)
+                for i, rows in seq.captured.items()}
 
     def _spec_types(self, params: SamplingParams) -> tuple[str, ...]:
         if not params.spec.enabled or not self.chain.names:
@@ -160,7 +207,7 @@ class Engine:
             raise RuntimeError("reset_stats while requests are running")
         self.stats = EngineStats()
         if speculators:
-            self.chain = SpeculatorChain(create_speculators(self.config, self._spec_ctx, self))
+            self.chain = SpeculatorChain(create_speculators(self.config, self._spec_ctx))
             self.cost = StepCostModel()
 
     def release(self, seq: Sequence) -> None:
@@ -178,11 +225,52 @@ class Engine:
             self.release(seq)
         return seqs
 
+    # ---- the engine's public surface (server, CLI, bench) -----------------------------------
+
+    def set_limits(self, max_num_seqs: int | None = None, max_queue: int | None = None) -> None:
+        """Change how many sequences decode together and how many requests may wait beyond
+        the free slots (the one queue bound: `add_request` raises QueueFullError past it)."""
+        if max_num_seqs is not None:
+            if max_num_seqs < 1:
+                raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+            self.scheduler.max_num_seqs = max_num_seqs
+        if max_queue is not None:
+            if max_queue < 1:
+                raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+            self.scheduler.max_queue = max_queue
+
+    def status(self) -> EngineStatus:
+        """What is running, waiting and free right now (for /metrics, /slots, logs)."""
+        cache = self.cache
+        return EngineStatus(
+            max_num_seqs=self.scheduler.max_num_seqs, running=list(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_blocks=cache.num_blocks,
+            num_free_blocks=cache.num_free_blocks, block_size=cache.block_size,
+            num_steps=self.stats.num_steps, num_speculator_errors=self.stats.num_speculator_errors)
+
+    @property
+    def speculator_names(self) -> list[str]:
+        return self.chain.names
+
+    def speculator_stats(self) -> dict[str, SpeculatorStats]:
+        """Per-speculator counters (live objects: read them between steps)."""
+        return self.chain.stats
+
+    def speculator(self, name: str) -> Speculator:
+        """A loaded speculator by name (ValueError naming the loaded ones otherwise)."""
+        self.chain.check_types([name])
+        return self.chain.speculators[name]
+
+    def save_speculators(self) -> None:
+        """Persist what speculators keep across processes (ngram_cache's dynamic table)."""
+        self.chain.save()
+
     # ---- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[StepUpdate]:
         t0 = time.perf_counter()
-        step = self.scheduler.schedule(decode_tokens=1 + self.config.spec_n_max)
+        step = self.scheduler.schedule(
+            decode_tokens=1 + (self.config.spec_n_max if self.chain.names else 0))
         if step.empty:
             return []
         drafts = self._propose(step.decode)
@@ -190,7 +278,8 @@ class Engine:
         chunks = [self._prefill_chunk(seq, n) for seq, n in step.prefill]
         chunks += [self._decode_chunk(seq, drafts.get(seq.seq_id)) for seq in step.decode]
         try:
-            batch = build_forward_batch(self.cache, chunks, self.model.device)
+            batch = build_forward_batch(self.cache, chunks, self.model.device,
+                                        self._step_layers(step))
             out = self.model.forward(batch, self.cache)
         except Exception as exc:  # a failed forward fails its sequences, never the engine
             log.exception("forward failed")
@@ -199,16 +288,31 @@ class Engine:
                 self._finish(seq, "error", f"forward failed: {exc}")
             return [StepUpdate(s, [], True) for s in seqs]
         t2 = time.perf_counter()
-        updates = self._commit(step, chunks, drafts, out.logits, batch.cu_num_logits)
+        updates = self._commit(step, chunks, drafts, out, batch)
         t3 = time.perf_counter()
         self._account(step, batch.num_tokens, sum(len(u.new_token_ids) for u in updates),
                       t0, t1, t2, t3)
         return updates
 
+    def _step_layers(self, step) -> tuple[int, ...]:
+        """Target layers to capture in this step: those of the speculators its sequences use,
+        and those its requests asked for. Nothing when nobody needs them (no copies)."""
+        seqs = [s for s, _ in step.prefill] + step.decode
+        layers = set()
+        for seq in seqs:
+            layers.update(seq.capture_layers)
+            if seq.spec_types:
+                layers.update(self.chain.hidden_layers(seq.spec_types))
+        return tuple(sorted(layers))
+
     def _prefill_chunk(self, seq: Sequence, n: int) -> SeqChunk:
         start = seq.num_computed
-        final = start + n == seq.num_prompt
-        return SeqChunk(seq.seq_id, start, seq.prompt_ids[start:start + n], 1 if final else 0)
+        if seq.scheduled_time is None:
+            seq.scheduled_time = time.perf_counter()
+        # Logits only at the prompt's end; a sequence recomputed after a preemption already has
+        # its next token (the last of token_ids, fed by the next decode step).
+        wants_logits = start + n == seq.num_prompt and seq.num_generated == 0
+        return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n], int(wants_logits))
 
     def _decode_chunk(self, seq: Sequence, draft: Draft | None) -> SeqChunk:
         tokens = [seq.token_ids[-1]] + (draft.token_ids if draft is not None else [])
@@ -235,10 +339,10 @@ class Engine:
     def _draft_params(self, seq: Sequence) -> DraftParams:
         p = seq.params.spec
         n_max = self._n_max(seq.params)
-        # The target adds one token after the draft: leave room for it in max_tokens, the
-        # context and the KV promise.
-        room = min(seq.params.max_tokens - seq.num_generated,
-                   self.max_model_len - len(seq.token_ids), seq.kv_budget - len(seq.token_ids)) - 1
+        # The target adds one token after the draft: leave room for it in max_tokens and the
+        # context. The KV reserved this step (kv_budget) holds positions up to the draft's end.
+        room = min(seq.params.max_tokens - seq.num_generated - 1,
+                   self.max_model_len - len(seq.token_ids) - 1, seq.kv_budget - len(seq.token_ids))
         n_max = max(0, min(n_max, room))
         n_min = self.config.spec_n_min if p.n_min is None else p.n_min
         p_min = self.config.spec_p_min if p.p_min is None else p.p_min
@@ -246,8 +350,9 @@ class Engine:
 
     # ---- verification and commit -------------------------------------------------------------
 
-    def _commit(self, step, chunks: list[SeqChunk], drafts: dict[int, Draft],
-                logits: torch.Tensor, cu_num_logits: list[int]) -> list[StepUpdate]:
+    def _commit(self, step, chunks: list[SeqChunk], drafts: dict[int, Draft], out,
+                batch) -> list[StepUpdate]:
+        logits, cu_num_logits = out.logits, batch.cu_num_logits
         argmax = self._batched_argmax(step, logits)
         updates, committed = [], []
         seqs = [s for s, _ in step.prefill] + step.decode
@@ -259,6 +364,7 @@ class Engine:
             committed.append(CommittedTokens(seq.seq_id, chunk.start_pos, chunk.token_ids))
             if chunk.num_logits == 0:  # a prompt chunk that is not the last one
                 self._advance_kv(seq, chunk.start_pos + len(chunk.token_ids))
+                self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
                 continue
             draft = drafts.get(seq.seq_id)
             result = self._verify(seq, logits[rows], argmax[rows] if argmax is not None else None,
@@ -267,8 +373,9 @@ class Engine:
             num_kept = len(chunk.token_ids) if is_prefill else 1 + result.num_accepted
             self._advance_kv(seq, chunk.start_pos + num_kept)
             committed[-1].token_ids = chunk.token_ids[:num_kept]
+            self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
             if not is_prefill:
-                seq.spec.num_steps += 1
+                seq.spec.record_step()
             if draft is not None:
                 seq.spec.record(draft.source, len(draft), result.num_accepted)
                 self.chain.accept(seq.seq_id, result.num_accepted)
@@ -276,6 +383,17 @@ class Engine:
         active = {s.seq_id for s in seqs if s.spec_types and not s.is_finished}
         self.chain.process([c for c in committed if c.seq_id in active])
         return updates
+
+    def _keep_features(self, seq: Sequence, committed: CommittedTokens,
+                       hidden: dict[int, torch.Tensor], first_row: int) -> None:
+        """Hand the committed rows' target features to the speculators (through `committed`)
+        and to the request if it asked for them; rejected rows are dropped here, with the KV."""
+        if not hidden:
+            return
+        rows = slice(first_row, first_row + len(committed.token_ids))
+        committed.hidden_states = {i: h[rows] for i, h in hidden.items()}  # views, [n, hidden]
+        for i in seq.capture_layers:
+            seq.captured[i].append(hidden[i][rows].clone())
 
     def _batched_argmax(self, step, logits: torch.Tensor) -> list[int] | None:
         """Argmax of every logits row in one op and one host sync, when greedy rows need it."""
@@ -288,8 +406,8 @@ class Engine:
         # logits [k + 1, vocab]
         draft_ids = draft.token_ids if draft is not None else []
         params = seq.params
-        if self.config.spec_synth_rates is not None and draft_ids:
-            return self._verify_synthetic(seq, logits, draft_ids)
+        if draft is not None and draft.forced_num_accepted is not None:
+            return self._verify_synthetic(seq, logits, draft)
         if argmax is not None and _fast_greedy(params):
             return verify_greedy(argmax, draft_ids)
         if params.spec.verify == "rejection" and not params.is_greedy and draft_ids:
@@ -297,13 +415,13 @@ class Engine:
             return verify_rejection(p_tgt, draft.probs, draft_ids, seq.sampler.generator)
         return verify_match(seq.sampler, logits, seq.token_ids, draft_ids)
 
-    def _verify_synthetic(self, seq: Sequence, logits: torch.Tensor, draft_ids: list[int]) -> VerifyResult:
-        """Accept by the configured rates, not by the target: speed measurement only."""
-        uniforms = torch.rand(len(draft_ids), generator=self._synth_rng).tolist()
-        n = synthetic_num_accepted(self.config.spec_synth_rates, len(draft_ids), uniforms)
+    def _verify_synthetic(self, seq: Sequence, logits: torch.Tensor, draft: Draft) -> VerifyResult:
+        """Accept what the draft's (synthetic) drafter decided, not what the target says:
+        speed measurement only."""
+        n = draft.forced_num_accepted
         seq.synthetic = True
         next_id = int(logits[n].argmax())
-        return VerifyResult(n, draft_ids[:n] + [next_id])
+        return VerifyResult(n, draft.token_ids[:n] + [next_id])
 
     def _advance_kv(self, seq: Sequence, new_length: int) -> None:
         seq.num_computed = new_length
@@ -311,50 +429,35 @@ class Engine:
         self.cache.trim_reservation(seq.seq_id)
 
     def _append(self, seq: Sequence, new_ids: list[int]) -> StepUpdate:
-        """Append verified tokens, stopping at the first stop condition among them."""
+        """Append verified tokens, stopping at the first stop condition among them. Tokens are
+        detokenized one by one, so a stop string ends the output at the token completing it
+        whatever number of tokens this step accepted."""
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
-        appended = []
-        reason = None
-        num_before = seq.num_generated
         stop_ids = set(seq.params.stop_token_ids)
         if not seq.params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        appended, pieces, reason = [], [], None
         for tok in new_ids:
             seq.token_ids.append(tok)
             appended.append(tok)
-            if tok in stop_ids:
+            piece, hit = seq.detokenizer.push(tok)
+            pieces.append(piece)
+            if hit is not None:
+                seq.stop_text_len = hit.text_len
+                reason = "stop"
+            elif tok in stop_ids:
                 reason = "stop"
             elif seq.num_generated >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 reason = "length"
             if reason:
                 break
-        if reason is None and seq.params.stop:
-            reason = self._check_stop_strings(seq, len(appended))
-            appended = seq.output_ids[num_before:]  # the stop may have trimmed trailing tokens
         if reason is not None:
+            if seq.stop_text_len is None:
+                pieces.append(seq.detokenizer.flush())
             self._finish(seq, reason)
         self.stats.num_generated_tokens += len(appended)
-        return StepUpdate(seq, appended, seq.is_finished)
-
-    def _check_stop_strings(self, seq: Sequence, num_new: int) -> str | None:
-        """Finish at the first stop string; the tokens after the one completing it go, so
-        counts do not depend on how many tokens a step happened to accept."""
-        gen = seq.output_ids
-        text = self.tokenizer.decode(gen)
-        longest = max(len(s) for s in seq.params.stop)
-        # Only text that could contain a stop string ending in the new tokens is searched.
-        prev_len = len(self.tokenizer.decode(gen[:-num_new])) if num_new else len(text)
-        start = max(0, prev_len - longest + 1)
-        hits = [(i, i + len(s)) for i, s in ((text.find(s, start), s) for s in seq.params.stop) if i >= 0]
-        if not hits:
-            return None
-        hit, end = min(hits)
-        keep = next(n for n in range(len(gen) - num_new + 1, len(gen) + 1)
-                    if len(self.tokenizer.decode(gen[:n])) >= end)
-        del seq.token_ids[seq.num_prompt + keep:]
-        seq.stop_text_len = hit
-        return "stop"
+        return StepUpdate(seq, appended, seq.is_finished, "".join(pieces))
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason = reason
@@ -385,8 +488,11 @@ class Engine:
     # ---- outputs -----------------------------------------------------------------------------
 
     def output_text(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(seq.output_ids)
-        return text if seq.stop_text_len is None else text[:seq.stop_text_len]
+        """The output so far (all of it once finished), stop strings cut: kept incrementally,
+        never decoded again from the start."""
+        if seq.is_finished and seq.stop_text_len is None:
+            seq.detokenizer.flush()
+        return seq.detokenizer.text
 
 
 def _fast_greedy(params: SamplingParams) -> bool:

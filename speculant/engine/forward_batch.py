@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.kv_cache import KVCache
+from speculant.engine.kv_cache import KVCache
 
 
 @dataclass(slots=True)

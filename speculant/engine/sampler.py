@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.sampling_params import SamplingParams
+from speculant.engine.sampling_params import SamplingParams
 
 TOP_P_CANDIDATES = 256  # top-p without top-k first looks for its nucleus among this many tokens
 

@@ -5,7 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from speculant.sampling_params import SamplingParams
+from speculant.engine.sampling_params import SamplingParams
+from speculant.speculators.counters import AcceptanceCounters
 
 
 class SeqStatus(enum.Enum):
@@ -15,32 +16,16 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(slots=True)
-class SeqSpecStats:
-    """Speculation counters of one request (vLLM's metric names)."""
+class SeqSpecStats(AcceptanceCounters):
+    """Speculation counters of one request, in total and per speculator that won a draft."""
 
-    num_steps: int = 0  # target forwards that produced tokens for this sequence (decode steps)
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    drafts_by_type: dict[str, int] = field(default_factory=dict)
-    accepted_by_type: dict[str, int] = field(default_factory=dict)
+    by_type: dict[str, AcceptanceCounters] = field(default_factory=dict)
 
     def record(self, source: str, draft_len: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += draft_len
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < draft_len:
-            self.accepted_per_pos.extend([0] * (draft_len - len(self.accepted_per_pos)))
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-        self.drafts_by_type[source] = self.drafts_by_type.get(source, 0) + 1
-        self.accepted_by_type[source] = self.accepted_by_type.get(source, 0) + num_accepted
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens produced per verification step: 1 + accepted / steps."""
-        return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 0.0
+        """A draft made by speculator `source` was verified (the step itself is recorded
+        apart: steps without a draft count too)."""
+        self.record_draft(draft_len, num_accepted)
+        self.by_type.setdefault(source, AcceptanceCounters()).record_draft(draft_len, num_accepted)
 
 
 @dataclass(slots=True)
@@ -52,7 +37,8 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    sampler: object  # speculant.sampler.Sampler
+    sampler: object  # speculant.engine.sampler.Sampler
+    detokenizer: object = None  # speculant.engine.detokenizer.Detokenizer: the output text
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V is committed in the cache
     status: SeqStatus = SeqStatus.WAITING
@@ -60,13 +46,19 @@ class Sequence:
     error: str | None = None
     spec: SeqSpecStats = field(default_factory=SeqSpecStats)
     spec_types: tuple[str, ...] = ()  # speculators this request may use (empty = none)
-    kv_budget: int = 0  # KV tokens promised to this sequence at admission
+    kv_budget: int = 0  # KV positions reserved for this step (the scheduler sets it)
+    num_preemptions: int = 0  # times its KV was dropped to make room (recomputed later)
     stop_text_len: int | None = None  # where a stop string cut the text, if one did
     synthetic: bool = False  # tokens accepted by synthetic rates: output is not valid text
+    # Target features returned with the output: layer -> committed rows, in position order.
+    capture_layers: tuple[int, ...] = ()
+    captured: dict[int, list] = field(default_factory=dict)
+    # Timings (time.perf_counter): added, first scheduled, first token out, finished.
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    prefill_time_s: float = 0.0
+    prefill_time_s: float = 0.0  # wall time of the steps that ran this sequence's prompt chunks
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -85,8 +77,14 @@ class Sequence:
         return self.token_ids[len(self.prompt_ids):]
 
     @property
+    def num_prefill(self) -> int:
+        """Tokens to put in the KV cache before decoding: the prompt, or after a preemption
+        everything but the last sampled token (the next step's input)."""
+        return max(self.num_prompt, len(self.token_ids) - 1)
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt
+        return self.num_computed < self.num_prefill
 
     @property
     def is_finished(self) -> bool:

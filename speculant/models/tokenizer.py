@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from speculant.loader import ModelFiles, cache_root, file_key
+from speculant.models.loader import ModelFiles, cache_root, file_key
 
 
 @dataclass(slots=True)

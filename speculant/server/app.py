@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from speculant.engine_config import EngineConfig
+from speculant.engine.config import EngineConfig
 from speculant.server.engine_loop import EngineLoop
 from speculant.server.errors import ApiError, validation_error
 from speculant.server.metrics import ServerMetrics
@@ -36,7 +36,7 @@ class ServerState:
 
     loop: EngineLoop
     metrics: ServerMetrics
-    tokenizer: object  # speculant.tokenizer.Tokenizer; thread-safe for encode / decode
+    tokenizer: object  # speculant.models.tokenizer.Tokenizer; thread-safe for encode / decode
     model_id: str
     max_model_len: int
     speculators: tuple[str, ...]  # loaded in the engine's chain
@@ -61,17 +61,18 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
     """
     engine = engine_or_config
     if isinstance(engine_or_config, EngineConfig):
-        from speculant.engine import Engine
+        from speculant.engine.engine import Engine
 
         engine = Engine(engine_or_config)
+    if max_queue is not None:
+        engine.set_limits(max_queue=max_queue)
     metrics = ServerMetrics()
     model_id = model_id or _model_id(engine.model_path)
     state = ServerState(
-        loop=EngineLoop(engine, max_queue or engine.config.max_queue,
-                        on_finish=metrics.observe_finished),
+        loop=EngineLoop(engine, on_finish=metrics.observe_finished),
         metrics=metrics,
         tokenizer=engine.tokenizer, model_id=model_id, max_model_len=engine.max_model_len,
-        speculators=tuple(engine.chain.names),
+        speculators=tuple(engine.speculator_names),
         model_names=frozenset({model_id, DEFAULT_MODEL_NAME, engine.config.model}))
 
     @asynccontextmanager

@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from speculant.sampling_params import SamplingParams
-from speculant.scheduler import QueueFullError
+from speculant.engine.sampling_params import SamplingParams
+from speculant.engine.scheduler import QueueFullError
 from speculant.server.responses import request_timings
 
 log = logging.getLogger("speculant.server")
@@ -96,9 +96,8 @@ class EngineUnavailable(RuntimeError):
 class EngineLoop:
     """Owns the engine thread. `add`, `abort` and `call` may be used from the event loop."""
 
-    def __init__(self, engine, max_queue: int, on_finish: Callable[[Any], None] | None = None):
+    def __init__(self, engine, on_finish: Callable[[Any], None] | None = None):
         self.engine = engine
-        self.max_queue = max_queue  # requests waiting beyond those the free slots will take
         self.on_finish = on_finish  # called on the engine thread with each finished Sequence
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[str, tuple[RequestHandle, Any]] = {}  # request id -> (handle, seq)
@@ -190,11 +189,6 @@ class EngineLoop:
 
     def _add(self, cmd: _Add) -> None:
         handle = cmd.handle
-        num_queued = self._num_queued()
-        if num_queued >= self.max_queue:
-            _post(handle, Rejected(QueueFullError(
-                f"{num_queued} requests already waiting for a slot; retry later")))
-            return
         try:
             seq = self.engine.add_request(cmd.prompt_ids, cmd.params, handle.request_id)
         except (ValueError, QueueFullError) as exc:
@@ -206,13 +200,6 @@ class EngineLoop:
             return
         self._handles[handle.request_id] = (handle, seq)
         _post(handle, Accepted(seq.num_prompt))
-
-    def _num_queued(self) -> int:
-        """Waiting requests that free slots will not take at the next step. (The scheduler's
-        own `max_queue` also counts requests about to be admitted: a burst of adds between two
-        steps would be refused while slots are free.)"""
-        sched = self.engine.scheduler
-        return len(sched.waiting) - max(0, sched.max_num_seqs - len(sched.running))
 
     def _call(self, cmd: _Call) -> None:
         try:
@@ -271,22 +258,22 @@ class EngineLoop:
 
     def _slots_now(self, engine) -> dict:
         """What each of the `max_num_seqs` slots is doing; slot ids are stable per request."""
-        running = {s.request_id: s for s in engine.scheduler.running}
+        status = engine.status()
+        running = {s.request_id: s for s in status.running}
         self._slot_of = {r: i for r, i in self._slot_of.items() if r in running}
-        free = sorted(set(range(engine.config.max_num_seqs)) - set(self._slot_of.values()))
+        free = sorted(set(range(status.max_num_seqs)) - set(self._slot_of.values()))
         for rid in running:
             if rid not in self._slot_of and free:
                 self._slot_of[rid] = free.pop(0)
         by_slot = {i: running[r] for r, i in self._slot_of.items()}
-        cache = engine.cache
         return {
-            "parallel": engine.config.max_num_seqs,
+            "parallel": status.max_num_seqs,
             "num_running": len(running),
-            "num_waiting": len(engine.scheduler.waiting),
-            "kv_cache": {"num_blocks": cache.num_blocks, "num_free_blocks": cache.num_free_blocks,
-                         "block_size": cache.block_size},
+            "num_waiting": status.num_waiting,
+            "kv_cache": {"num_blocks": status.num_blocks, "num_free_blocks": status.num_free_blocks,
+                         "block_size": status.block_size},
             "slots": [_slot_info(i, by_slot.get(i), engine)
-                      for i in range(engine.config.max_num_seqs)],
+                      for i in range(status.max_num_seqs)],
         }
 
 

@@ -20,20 +20,21 @@ PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 
 def engine_snapshot(engine) -> dict:
     """Everything `/metrics` reports about the engine; runs on the engine thread."""
+    status = engine.status()
     return {
-        "num_running": len(engine.scheduler.running),
-        "num_waiting": len(engine.scheduler.waiting),
-        "num_blocks": engine.cache.num_blocks,
-        "num_free_blocks": engine.cache.num_free_blocks,
-        "num_steps": engine.stats.num_steps,
-        "num_speculator_errors": engine.stats.num_speculator_errors,
+        "num_running": len(status.running),
+        "num_waiting": status.num_waiting,
+        "num_blocks": status.num_blocks,
+        "num_free_blocks": status.num_free_blocks,
+        "num_steps": status.num_steps,
+        "num_speculator_errors": status.num_speculator_errors,
         "speculators": {name: {
-            "num_proposals": s.num_drafts,
-            "num_drafts": s.num_drafts_won,
+            "num_proposals": s.num_proposals,
+            "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens,
             "num_accepted_tokens": s.num_accepted_tokens,
             "accepted_per_pos": list(s.accepted_per_pos),
-        } for name, s in engine.chain.stats.items()},
+        } for name, s in engine.speculator_stats().items()},
     }
 
 

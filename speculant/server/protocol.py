@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from speculant.sampling_params import VERIFY_MODES, SamplingParams, SpecParams
+from speculant.engine.sampling_params import VERIFY_MODES, SamplingParams, SpecParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4

@@ -11,7 +11,7 @@ import json
 import time
 import uuid
 
-from speculant.request_output import spec_summary
+from speculant.engine.request_output import spec_summary
 
 
 def request_timings(seq) -> dict:

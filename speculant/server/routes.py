@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from speculant.scheduler import QueueFullError
+from speculant.engine.scheduler import QueueFullError
 from speculant.server.engine_loop import EngineUnavailable, Finished, Progress, RequestHandle
 from speculant.server.errors import ApiError, error_body
 from speculant.server.metrics import engine_snapshot

@@ -8,7 +8,7 @@ its survival probability prod_{j<=i} a_j exceeds that cost.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from speculant.speculators.counters import AcceptanceCounters
 
 # Beta prior on a_i: optimistic enough that a new speculator gets tried, weak enough that a
 # handful of verifications overrides it.
@@ -41,32 +41,7 @@ def net_gain(surv: list[float], length: int, cost_per_token: float) -> float:
     return sum(surv[:length]) - cost_per_token * length
 
 
-@dataclass(slots=True)
-class AcceptanceCounts:
-    """Per-position counts: `reached[i]` verified drafts with position i whose prefix was
-    accepted, `accepted[i]` those where position i was accepted too."""
-
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-
-    def record(self, draft_len: int, num_accepted: int) -> None:
-        grow = draft_len - len(self.reached)
-        if grow > 0:
-            self.reached.extend([0] * grow)
-            self.accepted.extend([0] * grow)
-        for i in range(min(draft_len, num_accepted + 1)):
-            self.reached[i] += 1
-        for i in range(num_accepted):
-            self.accepted[i] += 1
-
-    def rate(self, i: int, prior: float, weight: float) -> float:
-        """Posterior mean of a_i, shrunk towards `prior` with `weight` pseudo-counts."""
-        reached = self.reached[i] if i < len(self.reached) else 0
-        accepted = self.accepted[i] if i < len(self.accepted) else 0
-        return (accepted + prior * weight) / (reached + weight)
-
-
-def conditional_rates(global_counts: AcceptanceCounts, seq_counts: AcceptanceCounts | None,
+def conditional_rates(global_counts: AcceptanceCounters, seq_counts: AcceptanceCounters | None,
                       length: int, token_probs: list[float] | None = None) -> list[float]:
     """a_i for i < length.
 
@@ -77,9 +52,9 @@ def conditional_rates(global_counts: AcceptanceCounts, seq_counts: AcceptanceCou
     """
     rates = []
     for i in range(length):
-        prior = global_counts.rate(i, PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT),
+        prior = global_counts.conditional_rate(i, PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT),
                                    PRIOR_ACCEPT + PRIOR_REJECT)
         if token_probs is not None and i < len(token_probs):
             prior = 0.5 * (prior + token_probs[i])
-        rates.append(seq_counts.rate(i, prior, GLOBAL_WEIGHT) if seq_counts is not None else prior)
+        rates.append(seq_counts.conditional_rate(i, prior, GLOBAL_WEIGHT) if seq_counts is not None else prior)
     return rates

@@ -1,4 +1,4 @@
-"""The speculator contract: one interface every drafter implements, and the registry.
+"""The speculator contract: one interface every drafter implements.
 
 After llama.cpp's `common_speculative` (see the seeds): a speculator is told when a sequence
 starts (`begin`), sees every token the target commits (`process`), proposes drafts for all
@@ -19,10 +19,12 @@ Vocabulary used throughout:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
+
+from speculant.speculators.counters import AcceptanceCounters
 
 
 @dataclass(slots=True)
@@ -72,6 +74,9 @@ class Draft:
     # Drafter's probability of each drafted token (confidence), where it has one.
     token_probs: list[float] | None = None
     source: str = ""  # name of the speculator that made it (set by the chain)
+    # Benchmarking only (the synthetic speculator): the engine accepts exactly this many
+    # tokens instead of verifying, and flags the request's output as invalid.
+    forced_num_accepted: int | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -85,8 +90,31 @@ class Draft:
         if expected is not None:
             expected = (expected_accepted(self.token_probs[:length])
                         if self.token_probs is not None else min(expected, length))
+        forced = None if self.forced_num_accepted is None else min(self.forced_num_accepted, length)
         return Draft(self.token_ids[:length], expected, cut(self.probs), cut(self.token_probs),
-                     self.source)
+                     self.source, forced)
+
+
+class DraftBuilder:
+    """A model drafter's draft, grown one token at a time: ids, the drafter's probability of
+    each, and (when sampling) its distribution q over the target's vocabulary."""
+
+    __slots__ = ("ids", "probs", "qs")
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.probs: list[float] = []
+        self.qs: list[torch.Tensor] = []  # each [vocab]
+
+    def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
+        self.ids.append(tok)
+        self.probs.append(prob)
+        if q is not None:
+            self.qs.append(q)
+
+    def to_draft(self) -> Draft:
+        q = torch.stack(self.qs) if self.qs else None  # [k, vocab]
+        return Draft(self.ids, expected_accepted=None, probs=q, token_probs=list(self.probs))
 
 
 def expected_accepted(token_probs: list[float]) -> float:
@@ -111,9 +139,26 @@ class CommittedTokens:
     seq_id: int
     start_pos: int
     token_ids: list[int]
-    # Hidden states the target produced for these tokens, for model drafters (MTP, EAGLE-3,
-    # DFlash); None unless the speculator declared `needs_hidden_states`.
-    hidden_states: torch.Tensor | None = None  # [len(token_ids), hidden_size]
+    # Target features for model drafters (EAGLE-3, MTP, DFlash): layer -> the residual stream
+    # after that target layer at each of these tokens, [len(token_ids), hidden_size] (row i was
+    # computed reading token_ids[i]; it predicts the token after it). Holds the layers some
+    # speculator asked for (`Speculator.hidden_layers`), else None. Views into the step's
+    # buffers: copy what you keep.
+    hidden_states: dict[int, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class TargetView:
+    """What model drafters may use of the target: its configuration, where it was loaded
+    from, its token embedding, final norm and LM head (never the engine itself)."""
+
+    config: object  # speculant.models.config.ModelConfig
+    model_path: str
+    embed: Callable[[torch.Tensor], torch.Tensor]  # ids [T] -> [T, hidden] float32
+    final_norm: torch.Tensor  # [hidden]
+    # [vocab, hidden] weight, callable on final-normed rows [R, hidden] -> [R, vocab]
+    # (a PackedLinear: also select_rows(ids), dequantize())
+    lm_head: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -124,19 +169,24 @@ class SpeculatorContext:
     eos_token_ids: tuple[int, ...] = ()
     max_seq_len: int = 8192
     device: str = "cpu"
+    # The target's tokenizer: model drafters check their vocabulary against it.
+    tokenizer: object | None = None
+    target: TargetView | None = None  # for drafters that read the target's features
 
 
 class Speculator(ABC):
-    """Base class of every drafter. Subclasses set `name` and register with `@register`.
+    """Base class of every drafter. Subclasses set `name`; built-ins are listed in `registry.py`.
 
     Capabilities are class attributes, never name checks in the engine:
-    - `needs_hidden_states`: `process` must receive the target's hidden states.
+    - `hidden_layers`: target layers whose output (residual stream, before the final norm)
+      `process` must receive for every committed token (empty: none; the engine then captures
+      nothing for this speculator).
     - `provides_probs`: drafts carry `probs`, so rejection sampling can use them.
     - `is_model_based`: drafting runs a neural network (costs real time per token).
     """
 
     name: ClassVar[str] = ""
-    needs_hidden_states: ClassVar[bool] = False
+    hidden_layers: tuple[int, ...] = ()
     provides_probs: ClassVar[bool] = False
     is_model_based: ClassVar[bool] = False
 
@@ -169,67 +219,25 @@ class Speculator(ABC):
 
 SpeculatorFactory = Callable[[SpeculatorContext, dict], Speculator]
 
-_REGISTRY: dict[str, type[Speculator]] = {}
-
-
-def register(cls: type[Speculator]) -> type[Speculator]:
-    """Class decorator: make a speculator available by its `name`."""
-    if not cls.name:
-        raise ValueError(f"{cls.__qualname__} has no name")
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"speculator {cls.name!r} registered twice")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registered_names() -> list[str]:
-    from speculant.spec import _load_builtin  # noqa: F401  (import for side effect: registration)
-
-    return sorted(_REGISTRY)
-
-
-def speculator_class(name: str) -> type[Speculator]:
-    names = registered_names()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown speculator type {name!r}; known: {', '.join(names)}")
-    return _REGISTRY[name]
-
-
 @dataclass(slots=True)
-class SpeculatorStats:
-    """Counters kept per speculator, as llama.cpp's `common_speculative_state` keeps them."""
+class SpeculatorStats(AcceptanceCounters):
+    """Counters kept per speculator, as llama.cpp's `common_speculative_state` keeps them.
 
+    The inherited `AcceptanceCounters` count this speculator's verified drafts (its
+    `num_steps` = its verified drafts); the fields below add proposals, calls and time.
+    """
+
+    num_proposals: int = 0  # drafts proposed, verified or not (n_gen_drafts)
+    num_drafts_accepted: int = 0  # verified drafts with at least one accepted token (n_acc_drafts)
     num_calls_begin: int = 0
     num_calls_draft: int = 0
     num_calls_accept: int = 0
-    num_drafts: int = 0  # drafts proposed (n_gen_drafts)
-    num_drafts_accepted: int = 0  # verified drafts with at least one accepted token (n_acc_drafts)
-    num_drafts_won: int = 0  # drafts chosen by the chain and verified
-    num_draft_tokens: int = 0  # tokens in verified drafts (n_gen_tokens)
-    num_accepted_tokens: int = 0  # n_acc_tokens
-    accepted_per_pos: list[int] = field(default_factory=list)  # accepted count at draft position i
-    drafted_per_pos: list[int] = field(default_factory=list)  # verified drafts reaching position i
     time_begin_s: float = 0.0
     time_draft_s: float = 0.0
     time_accept_s: float = 0.0
     time_process_s: float = 0.0
 
     def record_verified(self, draft_len: int, num_accepted: int) -> None:
-        self.num_drafts_won += 1
-        self.num_draft_tokens += draft_len
-        self.num_accepted_tokens += num_accepted
+        self.record_step()
+        self.record_draft(draft_len, num_accepted)
         self.num_drafts_accepted += int(num_accepted > 0)
-        grow = draft_len - len(self.drafted_per_pos)
-        if grow > 0:
-            self.drafted_per_pos.extend([0] * grow)
-            self.accepted_per_pos.extend([0] * grow)
-        for i in range(draft_len):
-            self.drafted_per_pos[i] += 1
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    def to_dict(self) -> dict:
-        return {f: getattr(self, f) for f in self.__slots__}

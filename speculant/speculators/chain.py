@@ -15,14 +15,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from speculant.spec.acceptance import (
-    AcceptanceCounts,
+from speculant.speculators.acceptance import (
     conditional_rates,
     net_gain,
     survival,
     worth_drafting,
 )
-from speculant.spec.base import (
+from speculant.speculators.counters import AcceptanceCounters
+from speculant.speculators.base import (
     CommittedTokens,
     Draft,
     DraftParams,
@@ -35,7 +35,7 @@ from speculant.spec.base import (
 @dataclass(slots=True)
 class _SeqState:
     types: tuple[str, ...]
-    counts: dict[str, AcceptanceCounts] = field(default_factory=dict)
+    counts: dict[str, AcceptanceCounters] = field(default_factory=dict)
     proposers: tuple[str, ...] = ()  # speculators that proposed in the last draft round
     winner: Draft | None = None
     silent_steps: int = 0  # consecutive draft rounds without a verified draft
@@ -48,7 +48,6 @@ class SpeculatorChain:
             raise ValueError(f"speculator listed twice in the chain: {names}")
         self.speculators = {s.name: s for s in speculators}
         self.stats = {name: SpeculatorStats() for name in names}
-        self.counts = {name: AcceptanceCounts() for name in names}
         self.probe_interval = probe_interval
         self._seqs: dict[int, _SeqState] = {}
         self._draft_seconds = {name: 0.0 for name in names}  # per drafted position, model drafters
@@ -56,6 +55,13 @@ class SpeculatorChain:
     @property
     def names(self) -> list[str]:
         return list(self.speculators)
+
+    def hidden_layers(self, types) -> tuple[int, ...]:
+        """Target layers the speculators `types` need captured (sorted, no duplicates)."""
+        layers = set()
+        for name in types:
+            layers.update(self.speculators[name].hidden_layers)
+        return tuple(sorted(layers))
 
     def check_types(self, types) -> tuple[str, ...]:
         unknown = [t for t in types if t not in self.speculators]
@@ -70,7 +76,7 @@ class SpeculatorChain:
         if seq_id in self._seqs:
             raise ValueError(f"chain: sequence {seq_id} already begun")
         types = self.check_types(types)
-        self._seqs[seq_id] = _SeqState(types, {t: AcceptanceCounts() for t in types})
+        self._seqs[seq_id] = _SeqState(types, {t: AcceptanceCounters() for t in types})
         for name in types:
             with self._timed(name, "begin"):
                 self.speculators[name].begin(seq_id, prompt_ids)
@@ -120,7 +126,7 @@ class SpeculatorChain:
                 if len(d) > 0:
                     d.source = name
                     proposals[seq_id].append(d)
-                    self.stats[name].num_drafts += 1
+                    self.stats[name].num_proposals += 1
         by_id = {r.seq_id: r for r in requests}
         winners: dict[int, Draft] = {}
         for seq_id, drafts in proposals.items():
@@ -146,7 +152,7 @@ class SpeculatorChain:
         out = []
         for r in requests:
             state = self._seqs[r.seq_id]
-            surv = survival(conditional_rates(self.counts[name], state.counts.get(name), r.params.n_max))
+            surv = survival(conditional_rates(self.stats[name], state.counts.get(name), r.params.n_max))
             n = worth_drafting(surv, cost_per_token + draft_cost)
             if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
                 n = 0
@@ -185,7 +191,7 @@ class SpeculatorChain:
         if probs is None and d.expected_accepted is not None and len(d):
             # Only an overall estimate: the per-position rate a with sum_{i<=k} a^i close to it.
             probs = [_rate_for_expected(d.expected_accepted, len(d))] * len(d)
-        return conditional_rates(self.counts[d.source], state.counts.get(d.source), len(d), probs)
+        return conditional_rates(self.stats[d.source], state.counts.get(d.source), len(d), probs)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         """The winning draft of `seq_id` had `num_accepted` tokens accepted."""
@@ -196,8 +202,7 @@ class SpeculatorChain:
         if not 0 <= num_accepted <= len(winner):
             raise ValueError(f"chain: {num_accepted} accepted of a {len(winner)}-token draft")
         self.stats[winner.source].record_verified(len(winner), num_accepted)
-        self.counts[winner.source].record(len(winner), num_accepted)
-        state.counts[winner.source].record(len(winner), num_accepted)
+        state.counts[winner.source].record_draft(len(winner), num_accepted)
         for name in state.proposers:
             with self._timed(name, "accept"):
                 self.speculators[name].accept(seq_id, num_accepted, name != winner.source)

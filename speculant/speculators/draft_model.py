@@ -21,16 +21,16 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.forward_batch import SeqChunk, build_forward_batch
-from speculant.kv_cache import KV_DTYPES, CacheFullError
-from speculant.spec.base import Draft, DraftRequest, Speculator, SpeculatorContext, register
-from speculant.spec.draft_vocab import head_token_ids, read_ranking
-from speculant.spec.ngram_match import common_prefix_len
+from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+from speculant.engine.kv_cache import KV_DTYPES, CacheFullError
+from speculant.speculators.base import Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext
+from speculant.speculators.draft_vocab import head_token_ids, read_ranking
+from speculant.speculators.ngram_match import common_prefix_len
 
 
 @dataclass(slots=True)
 class DraftModelConfig:
-    """- model: path of the draft model (GGUF or HF folder); empty = the engine's --draft-model.
+    """- model: path of the draft model (GGUF or HF folder); `--draft-model` sets it.
     - dtype: weights of the draft (auto keeps GGUF quantization).
     - kv_cache_tokens: capacity of the shared draft KV cache (all sequences).
     - kv_dtype: its element type, float16 or float32.
@@ -68,7 +68,6 @@ class DraftModelConfig:
             raise ValueError(f"draft: temperature must be in [0, 10], got {self.temperature}")
 
 
-@register
 class DraftModelSpeculator(Speculator):
     name = "draft"
     config_class = DraftModelConfig
@@ -102,16 +101,18 @@ class DraftModelSpeculator(Speculator):
         self.num_draft_rounds = 0
 
     @classmethod
-    def from_engine(cls, ctx: SpeculatorContext, config: DraftModelConfig | None, engine):
-        """Load the draft named by the config or the engine's --draft-model, and check that its
-        vocabulary is compatible with the target's."""
-        from speculant.spec.vocab_check import check_vocab_compatible
+    def from_context(cls, ctx: SpeculatorContext, config: DraftModelConfig | None):
+        """Load the draft named by the config (`--draft-model`) and check that its vocabulary
+        is compatible with the target's."""
+        from speculant.speculators.vocab_check import check_vocab_compatible
 
         config = config or DraftModelConfig()
         if not config.model:
-            config.model = engine.config.draft_model or ""
+            raise ValueError("spec type 'draft' needs a draft model: --draft-model PATH "
+                             "(or --spec-option draft.model=PATH)")
         model, tokenizer = load_draft(config.model, config.dtype, ctx.device)
-        check_vocab_compatible(engine.tokenizer, tokenizer)
+        if ctx.tokenizer is not None:
+            check_vocab_compatible(ctx.tokenizer, tokenizer)
         return cls(ctx, config, model=model, tokenizer=tokenizer)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -139,7 +140,7 @@ class DraftModelSpeculator(Speculator):
     def draft(self, requests: list[DraftRequest]) -> dict[int, Draft]:
         self.num_draft_rounds += 1
         by_id = {r.seq_id: r for r in requests if self._catch_up_fits(r)}
-        grown = {seq_id: _Growing() for seq_id in by_id}
+        grown = {seq_id: DraftBuilder() for seq_id in by_id}
         # 1) catch up with the target's committed tokens + the last token; 2..n) one token each.
         chunks = [self._catch_up_chunk(r) for r in by_id.values()]
         while chunks:
@@ -220,31 +221,12 @@ class DraftModelSpeculator(Speculator):
         return col if self.head_ids is None else int(self.head_ids[col])
 
 
-class _Growing:
-    __slots__ = ("ids", "probs", "qs")
-
-    def __init__(self):
-        self.ids: list[int] = []
-        self.probs: list[float] = []
-        self.qs: list[torch.Tensor] = []
-
-    def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
-        self.ids.append(tok)
-        self.probs.append(prob)
-        if q is not None:
-            self.qs.append(q)
-
-    def to_draft(self) -> Draft:
-        q = torch.stack(self.qs) if self.qs else None  # [k, vocab]
-        return Draft(self.ids, expected_accepted=None, probs=q, token_probs=list(self.probs))
-
-
 def trained_head_tokens(path: str) -> int:
     """The LM head size a distilled draft folder was trained for (0: the whole vocabulary)."""
     import json
     import os
 
-    from speculant.distill import HEAD_TOKENS_KEY
+    from speculant.training.distill import HEAD_TOKENS_KEY
 
     config = os.path.join(path, "config.json") if path and os.path.isdir(path) else ""
     if not config or not os.path.isfile(config):
@@ -254,9 +236,9 @@ def trained_head_tokens(path: str) -> int:
 
 
 def load_draft(path: str, dtype: str, device: str):
-    from speculant.loader import load_model
-    from speculant.model import Model
-    from speculant.tokenizer import load_tokenizer
+    from speculant.models.loader import load_model
+    from speculant.models.llama import Model
+    from speculant.models.tokenizer import load_tokenizer
 
     if not path:
         raise ValueError("draft: no draft model given (use --draft-model PATH)")

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from speculant.spec.base import Speculator, SpeculatorContext, speculator_class
+from speculant.speculators.base import Speculator, SpeculatorContext
+from speculant.speculators.registry import speculator_class
 
 
 def speculator_config(cls: type[Speculator], options: dict):
@@ -21,12 +22,14 @@ def speculator_config(cls: type[Speculator], options: dict):
     return config_class(**options)
 
 
-def create_speculators(config, ctx: SpeculatorContext, engine=None) -> list[Speculator]:
-    """One instance per configured type; model drafters get the engine to load their model."""
+def create_speculators(config, ctx: SpeculatorContext) -> list[Speculator]:
+    """One instance per configured type (`config.spec_type`), each given the context and its
+    own options (`config.spec_options[name]`), never the engine. Classes that load files
+    (models, heads) do it in a `from_context` constructor."""
     out = []
     for name in config.spec_type:
         cls = speculator_class(name)
         spec_config = speculator_config(cls, dict(config.spec_options.get(name, {})))
-        builder = getattr(cls, "from_engine", None)
-        out.append(builder(ctx, spec_config, engine) if builder else cls(ctx, spec_config))
+        builder = getattr(cls, "from_context", None)
+        out.append(builder(ctx, spec_config) if builder else cls(ctx, spec_config))
     return out

@@ -18,13 +18,8 @@ import sys
 from array import array
 from dataclasses import dataclass
 
-from speculant.spec.base import Draft, DraftParams, SpeculatorContext, register
-from speculant.spec.ngram_match import (
-    MirroredSpeculator,
-    SeqHistory,
-    expected_accepted,
-    limit_draft,
-)
+from speculant.speculators.base import Draft, DraftParams, SpeculatorContext, expected_accepted
+from speculant.speculators.ngram_match import MirroredSpeculator, SeqHistory, limit_draft
 
 NgramTable = dict[tuple[int, ...], dict[int, int]]
 
@@ -262,7 +257,6 @@ class _CacheState(SeqHistory):
     __slots__ = ("context",)
 
 
-@register
 class NgramCacheSpeculator(MirroredSpeculator):
     """Lookup decoding (llama.cpp common/ngram-cache.cpp, PRs #5479, #6828, #6848).
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import islice
 
-from speculant.spec.base import Draft, DraftParams, register
-from speculant.spec.ngram_match import (
+from speculant.speculators.base import Draft, DraftParams, expected_accepted
+from speculant.speculators.ngram_match import (
     MirroredSpeculator,
     NgramIndex,
     SeqHistory,
     draft_was_rejected,
-    expected_accepted,
     limit_draft,
 )
 
@@ -123,7 +122,6 @@ class _NgramMapSpeculator(MirroredSpeculator):
         return min(m, params.n_max, state.last_accepted.get((key, value), m))
 
 
-@register
 class NgramMapKSpeculator(_NgramMapSpeculator):
     """ngram_map_k (llama.cpp `common_ngram_map_draft` with key_only): draft the m-gram that
     followed the most recent earlier occurrence of the key."""
@@ -147,7 +145,6 @@ class NgramMapKSpeculator(_NgramMapSpeculator):
         return Draft(limited[0])
 
 
-@register
 class NgramMapK4vSpeculator(_NgramMapSpeculator):
     """ngram_map_k4v (llama.cpp `common_ngram_map_draft`, complex mode): count up to four
     distinct value m-grams after the key and draft the most frequent one, but only if it is at

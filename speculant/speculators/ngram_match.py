@@ -17,14 +17,13 @@ from abc import abstractmethod
 from array import array
 from typing import ClassVar
 
-from speculant.spec.base import (
+from speculant.speculators.base import (
     CommittedTokens,
     Draft,
     DraftParams,
     DraftRequest,
     Speculator,
     SpeculatorContext,
-    expected_accepted,
 )
 
 

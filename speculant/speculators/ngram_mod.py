@@ -4,8 +4,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-from speculant.spec.base import Draft, DraftParams, SpeculatorContext, register
-from speculant.spec.ngram_match import MirroredSpeculator, SeqHistory, draft_was_rejected
+from speculant.speculators.base import Draft, DraftParams, SpeculatorContext
+from speculant.speculators.ngram_match import MirroredSpeculator, SeqHistory, draft_was_rejected
 
 # llama.cpp common_ngram_mod::idx: res = res * LCG + token over the n-gram, modulo 2**64.
 _LCG = 6364136223846793005
@@ -54,7 +54,6 @@ class _ModState(SeqHistory):
     # num_low: consecutive low-acceptance rounds (llama.cpp n_low)
 
 
-@register
 class NgramModSpeculator(MirroredSpeculator):
     """llama.cpp's ngram_mod (PR #19164): a fixed-size pool maps the hash of an n-gram to the
     token that last followed it; drafting rolls the hash over the last n tokens and reads the

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from speculant.spec.base import Draft, DraftParams, register
-from speculant.spec.ngram_match import MirroredSpeculator, NgramIndex, SeqHistory, limit_draft
+from speculant.speculators.base import Draft, DraftParams
+from speculant.speculators.ngram_match import MirroredSpeculator, NgramIndex, SeqHistory, limit_draft
 
 
 @dataclass(slots=True)
@@ -30,7 +30,6 @@ class _SimpleState(SeqHistory):
     __slots__ = ("index",)
 
 
-@register
 class NgramSimpleSpeculator(MirroredSpeculator):
     """Self-speculation without a draft model (llama.cpp `common_ngram_simple_draft`, PR #18471;
     the idea is prompt-lookup decoding).

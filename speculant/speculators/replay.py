@@ -12,7 +12,7 @@ makes, in the engine's order:
 Vocabulary (as vLLM's metrics): a *step* is one target forward (the prefill included), so
 mean accepted length = generated tokens / steps, 1.0 without speculation.
 
-Usage: python -m speculant.spec.replay --records FILE.jsonl --spec-type NAME [--n-max N]
+Usage: python -m speculant.speculators.replay --records FILE.jsonl --spec-type NAME [--n-max N]
        [--set FIELD=VALUE ...]; the last stdout line is one JSON object with the totals.
 """
 from __future__ import annotations
@@ -20,58 +20,40 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from speculant.spec.base import (
+from speculant.speculators.base import (
     CommittedTokens,
     DraftParams,
     DraftRequest,
     Speculator,
     SpeculatorContext,
-    speculator_class,
 )
-from speculant.spec.ngram_match import common_prefix_len
+from speculant.speculators.counters import AcceptanceCounters
+from speculant.speculators.registry import speculator_class
+from speculant.speculators.ngram_match import common_prefix_len
 
 
 @dataclass(slots=True)
-class ReplayStats:
+class ReplayStats(AcceptanceCounters):
+    """Counters of replayed records. As in the engine, `num_steps` counts decode steps: the
+    first output token comes from the prefill, every later step yields its accepted tokens
+    plus one target token, so num_generated = num_records_decoded + num_steps + accepted."""
+
     num_records: int = 0
     num_generated: int = 0  # output tokens replayed
-    steps: int = 0  # target forwards
-    num_drafts: int = 0  # non-empty drafts proposed (all verified here)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position i
+    num_decoded: int = 0  # of those, tokens produced by decode steps (all but each first token)
 
-    @property
-    def mean_accepted_length(self) -> float:
-        return self.num_generated / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    def add(self, other: ReplayStats) -> None:
-        self.num_records += other.num_records
-        self.num_generated += other.num_generated
-        self.steps += other.steps
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        _add_per_pos(self.accepted_per_pos, other.accepted_per_pos)
+    def add(self, other: AcceptanceCounters) -> None:
+        AcceptanceCounters.add(self, other)
+        if isinstance(other, ReplayStats):
+            self.num_records += other.num_records
+            self.num_generated += other.num_generated
+            self.num_decoded += other.num_decoded
 
     def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        out["mean_accepted_length"] = self.mean_accepted_length
-        out["acceptance_rate"] = self.acceptance_rate
-        return out
-
-
-def _add_per_pos(total: list[int], more: list[int]) -> None:
-    if len(more) > len(total):
-        total.extend([0] * (len(more) - len(total)))
-    for i, n in enumerate(more):
-        total[i] += n
+        return {"num_records": self.num_records, "num_generated": self.num_generated,
+                "num_decoded": self.num_decoded, **self.summary()}
 
 
 def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int],
@@ -83,8 +65,8 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
         # 1) prefill: the target commits the prompt and samples output[0]
         spec.process([CommittedTokens(seq_id, 0, list(prompt_ids))])
         history = list(prompt_ids) + list(output_ids[:1])
-        stats.steps = 1 if output_ids else 0
         done = len(output_ids[:1])
+        stats.num_decoded = len(output_ids) - done
         # 2) decode: draft, verify against the record, commit sampled + accepted tokens
         while done < len(output_ids):
             room = len(output_ids) - done - 1  # leave the last token to the target
@@ -96,16 +78,13 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
                 draft_ids = draft.token_ids[:step_params.n_max]
                 num_acc = common_prefix_len(draft_ids, output_ids[done:])  # greedy verification
                 spec.accept(seq_id, num_acc, False)
-                stats.num_drafts += 1
-                stats.num_draft_tokens += len(draft_ids)
-                stats.num_accepted_tokens += num_acc
-                _add_per_pos(stats.accepted_per_pos, [1] * num_acc)
+                stats.record_draft(len(draft_ids), num_acc)
             new_ids = list(output_ids[done:done + num_acc + 1])
             committed = [history[-1]] + new_ids[:num_acc]
             spec.process([CommittedTokens(seq_id, len(history) - 1, committed)])
             history.extend(new_ids)
             done += len(new_ids)
-            stats.steps += 1
+            stats.record_step()
     finally:
         spec.end(seq_id)
     return stats
@@ -168,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = cls(SpeculatorContext(vocab_size=vocab_size), config)
     per_record, total = replay(spec, records, DraftParams(args.n_max, args.n_min, args.p_min))
     for i, stats in enumerate(per_record):
-        print(f"record {i}: {stats.num_generated} tokens, {stats.steps} steps, "
+        print(f"record {i}: {stats.num_generated} tokens, {stats.num_steps} steps, "
               f"mean accepted length {stats.mean_accepted_length:.3f}")
     summary = {"spec_type": args.spec_type, **total.to_dict()}
     print(json.dumps(summary))

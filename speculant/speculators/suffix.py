@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from speculant.spec.base import Draft, DraftParams, SpeculatorContext, register
-from speculant.spec.ngram_match import MirroredSpeculator, SeqHistory, limit_draft
-from speculant.spec.suffix_tree import Match, SuffixTree
+from speculant.speculators.base import Draft, DraftParams, SpeculatorContext
+from speculant.speculators.ngram_match import MirroredSpeculator, SeqHistory, limit_draft
+from speculant.speculators.suffix_tree import Match, SuffixTree
 
 
 @dataclass(slots=True)
@@ -53,7 +53,6 @@ class _SuffixState(SeqHistory):
     #   length is global_len
 
 
-@register
 class SuffixSpeculator(MirroredSpeculator):
     """SuffixDecoding (Oliaro et al., 2024, arXiv:2411.04975; Arctic Inference
     `suffix_decoding/`).

@@ -31,9 +31,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from speculant.model_config import ModelConfig
+from speculant.models.config import ModelConfig
 
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PROMPTS = os.path.normpath(os.path.join(REPO_DIR, "..", "shared", "data", "prompts_dev.jsonl"))
 JUDGED_CATEGORIES = ("mt_bench", "qa", "translation")
 INIT_CHOICES = ("spaced", "first")
@@ -146,8 +146,8 @@ def add_distill_args(p: argparse.ArgumentParser) -> None:
 def run_distill(args: argparse.Namespace) -> int:
     import torch
 
-    from speculant.distill_data import load_or_generate
-    from speculant.loader import load_model
+    from speculant.training.distill_data import load_or_generate
+    from speculant.models.loader import load_model
 
     cfg = DistillConfig.from_args(args)
     if cfg.threads:
@@ -190,8 +190,8 @@ def _check_target(config: ModelConfig) -> ModelConfig:
 
 def _head_ids(vocab_file: str, num_tokens: int, target):
     """The draft's head tokens, chosen exactly as `draft.lm_head_tokens` chooses them."""
-    from speculant.spec.draft_vocab import head_token_ids, read_ranking
-    from speculant.tokenizer import load_tokenizer
+    from speculant.speculators.draft_vocab import head_token_ids, read_ranking
+    from speculant.models.tokenizer import load_tokenizer
 
     eos = load_tokenizer(target.files).eos_token_id
     return head_token_ids(read_ranking(os.path.dirname(vocab_file)), num_tokens,
@@ -210,8 +210,8 @@ def select_layers(config: ModelConfig, num_layers: int, init: str) -> list[int]:
 
 
 def _data_spec(cfg: DistillConfig, model_path: str):
-    from speculant.distill_data import DataSpec
-    from speculant.loader import file_key
+    from speculant.training.distill_data import DataSpec
+    from speculant.models.loader import file_key
 
     model_key = file_key(model_path) if os.path.isfile(model_path) else os.path.abspath(model_path)
     return DataSpec(model_key=model_key, prompts=os.path.abspath(cfg.prompts),
@@ -253,7 +253,7 @@ class TrainableDraft:
     def from_target(cls, weights: dict, target: ModelConfig, layer_ids: list[int]) -> "TrainableDraft":
         """Exact dequantization of the target's tensors (GGUF names) into draft tensors."""
         from speculant.kernels import PackedLinear
-        from speculant.loader import _hf_to_gguf_name
+        from speculant.models.loader import _hf_to_gguf_name
 
         config = dataclasses.replace(target, num_layers=len(layer_ids))
         params = {}
@@ -543,7 +543,7 @@ def write_generated_vocab(out: str, data, vocab_size: int) -> str:
     first (what `--spec-option draft.lm_head_tokens=N` restricts the draft's LM head to)."""
     import torch
 
-    from speculant.spec.draft_vocab import write_draft_vocab
+    from speculant.speculators.draft_vocab import write_draft_vocab
 
     generated = torch.roll(data.token_ids, -1)[data.next_is_output]  # [num generated]
     return write_draft_vocab(out, generated, vocab_size, "target tokens generated in distill data")
@@ -576,7 +576,7 @@ def restore_embeddings(out: str, target_model: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from speculant.loader import load_model
+    from speculant.models.loader import load_model
 
     try:
         with open(os.path.join(out, "config.json")) as f:
@@ -604,8 +604,8 @@ def _write_index(out: str, *shards: dict) -> None:
 
 def _copy_tokenizer(target_model: str, out: str):
     """Copy the target's tokenizer files (converted from its GGUF if need be) into `out`."""
-    from speculant.loader import resolve_model
-    from speculant.tokenizer import Tokenizer, _gguf_tokenizer_files, _hf_folder_files
+    from speculant.models.loader import resolve_model
+    from speculant.models.tokenizer import Tokenizer, _gguf_tokenizer_files, _hf_folder_files
 
     files = resolve_model(target_model)
     tok_files = _hf_folder_files(files.path) if files.kind == "hf" else _gguf_tokenizer_files(files.path)

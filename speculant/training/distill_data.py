@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculant.prompt_set import PromptRecord, first_turn_prompt, read_prompts
+from speculant.data.prompt_set import PromptRecord, first_turn_prompt, read_prompts
 
 CACHE_DIRNAME = "distill_cache"
 LOGITS_CHUNK_TOKENS = 512  # target forward chunk of the logits pass
@@ -174,7 +174,7 @@ def _continue(llm, records: list[PromptRecord], spec: DataSpec, samples: int, ma
     (seeded). Prompts too long for the context with max_new_tokens are skipped."""
     from tqdm import tqdm
 
-    from speculant.sampling_params import SamplingParams
+    from speculant.engine.sampling_params import SamplingParams
 
     jobs = []
     for i, rec in enumerate(records):
@@ -229,7 +229,7 @@ def _target_topk(model, generated: list[_Generated], spec: DataSpec) -> DistillD
 
 def _sequence_topk(model, cache, token_ids: list[int], keep_from: int, top_k: int):
     """([n - keep_from, top_k] int32 ids, [n - keep_from, top_k] fp16 log-probs)."""
-    from speculant.forward_batch import SeqChunk, build_forward_batch
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 
     seq_id = 0
     cache.allocate(seq_id)

@@ -7,9 +7,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from speculant import bench_timing
-from speculant.bench import parse_compare
-from speculant.bench_report import (
+from speculant.bench import timing as bench_timing
+from speculant.bench.options import parse_compare
+from speculant.bench.report import (
     PeerResult,
     RunResult,
     build_report,
@@ -18,8 +18,8 @@ from speculant.bench_report import (
     summary_text,
     write_outputs,
 )
-from speculant.bench_timing import CpuSample, cpu_usage, read_proc_stat, run_with_reruns
-from speculant.cli import main
+from speculant.bench.timing import CpuSample, cpu_usage, read_proc_stat, run_with_reruns
+from speculant.cli.main import main
 
 TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "dtype", "kv_dtype", "max_tokens",
             "concurrency",
@@ -283,7 +283,7 @@ class FakeServer(BaseHTTPRequestHandler):
 @pytest.mark.parametrize("with_timings, source", [(True, "server"), (False, "wall")])
 def test_openai_peer(with_timings, source):
     """The server's own decode rate when it reports timings, else time(N) - time(1)."""
-    from speculant.bench_openai import run_openai_peer
+    from speculant.bench.openai_peer import run_openai_peer
 
     handler = type("Handler", (FakeServer,), {"with_timings": with_timings})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)

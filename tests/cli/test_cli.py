@@ -8,7 +8,7 @@ import pytest
 
 from conftest import DEV_PROMPTS
 
-CLI = [sys.executable, "-m", "speculant.cli"]
+CLI = [sys.executable, "-m", "speculant.cli.main"]
 FIELDS = {"id", "text", "token_ids", "num_prompt_tokens", "num_generated", "time_s", "tokens_per_s"}
 SPEC_FIELDS = {"type_used", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                "mean_accepted_length", "accepted_per_pos", "per_speculator"}

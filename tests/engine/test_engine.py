@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import decode_all
-from speculant.sampling_params import SamplingParams, SpecParams
+from speculant.engine.sampling_params import SamplingParams, SpecParams
 
 PROMPTS = [
     "What is the capital of France?",
@@ -137,13 +137,13 @@ def test_stop_string_token_count_does_not_depend_on_speculation(default_engine):
     ({"dtype": "float32", "kv_dtype": "float16"}, "float16"),
 ])
 def test_kv_dtype_auto_follows_the_weights(overrides, kv_dtype):
-    from speculant.engine_config import EngineConfig
+    from speculant.engine.config import EngineConfig
 
     assert EngineConfig(**overrides).kv_dtype == kv_dtype
 
 
 def test_bad_kv_dtype_is_named():
-    from speculant.engine_config import EngineConfig
+    from speculant.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="kv_dtype must be auto or one of.*'bfloat8'"):
         EngineConfig(kv_dtype="bfloat8")
@@ -156,7 +156,7 @@ def test_default_engine_keeps_an_fp16_cache(default_engine):
 def test_reset_stats_forgets_the_fitted_step_cost(default_engine):
     """The chain prices draft tokens with the engine's fitted step cost: a benchmark run after
     reset_stats starts from the same prior whatever ran before it."""
-    from speculant.step_cost import StepCostModel
+    from speculant.engine.step_cost import StepCostModel
 
     run(default_engine, PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0.0))
     assert default_engine.cost._count > 0

@@ -1,7 +1,7 @@
 """Paged KV cache: allocation, append, O(1) rollback, free, capacity accounting."""
 import pytest
 
-from speculant.kv_cache import CacheFullError, KVCache
+from speculant.engine.kv_cache import CacheFullError, KVCache
 
 
 def make_cache(num_blocks=4, block_size=4):

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from speculant.sampler import (
+from speculant.engine.sampler import (
     Sampler,
     apply_min_p,
     apply_repetition_penalty,
@@ -16,7 +16,7 @@ from speculant.sampler import (
     logits_to_probs,
     sample_from_probs,
 )
-from speculant.sampling_params import SamplingParams
+from speculant.engine.sampling_params import SamplingParams
 
 P = [0.5, 0.3, 0.15, 0.05]  # base distribution; its logits are log P
 

@@ -1,10 +1,10 @@
 """Admission by KV promise, prefill chunking, and the bounded waiting queue."""
 import pytest
 
-from speculant.kv_cache import KVCache
-from speculant.sampling_params import SamplingParams
-from speculant.scheduler import QueueFullError, Scheduler
-from speculant.sequence import Sequence, SeqStatus
+from speculant.engine.kv_cache import KVCache
+from speculant.engine.sampling_params import SamplingParams
+from speculant.engine.scheduler import QueueFullError, Scheduler
+from speculant.engine.sequence import Sequence, SeqStatus
 
 
 def seq(i, prompt_len, max_tokens=4):

@@ -1,5 +1,5 @@
 """Online step-cost model used to price draft tokens."""
-from speculant.step_cost import StepCostModel
+from speculant.engine.step_cost import StepCostModel
 
 
 def test_fit_recovers_fixed_and_per_token_cost():

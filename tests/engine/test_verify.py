@@ -6,15 +6,13 @@ import random
 import pytest
 import torch
 
-from speculant.sampler import Sampler, inverse_cdf
-from speculant.sampling_params import SamplingParams
-from speculant.verify import (
+from speculant.engine.sampler import Sampler, inverse_cdf
+from speculant.engine.sampling_params import SamplingParams
+from speculant.engine.verify import (
     VerifyResult,
-    accept_greedy_batch,
     accept_match,
     accept_rejection,
     verify_greedy,
-    verify_greedy_batch,
     verify_match,
     verify_rejection,
 )
@@ -50,22 +48,6 @@ def test_mismatched_shapes_raise():
     with pytest.raises(ValueError):
         verify_rejection(torch.full((3, 4), 0.25), torch.full((1, 4), 0.25), [1, 2],
                          torch.Generator())
-
-
-@pytest.mark.parametrize("cases", [
-    GREEDY_CASES,  # ragged: every greedy case in one batch
-    GREEDY_CASES[-1:] * 3,  # no sequence has a draft
-])
-def test_greedy_batch_equals_per_sequence(cases):
-    """Flat tensors + cu_draft_lens give the per-sequence results."""
-    target_ids = torch.tensor([t for case in cases for t in case[0]])
-    draft_ids = torch.tensor([d for case in cases for d in case[1]], dtype=torch.long)
-    cu_draft_lens = torch.tensor([0] + [len(case[1]) for case in cases]).cumsum(0)
-    expected = [VerifyResult(case[2], case[3]) for case in cases]
-    assert verify_greedy_batch(target_ids, draft_ids, cu_draft_lens) == expected
-    num_accepted, next_ids = accept_greedy_batch(target_ids, draft_ids, cu_draft_lens)
-    assert num_accepted.tolist() == [case[2] for case in cases]
-    assert next_ids.tolist() == [case[3][-1] for case in cases]
 
 
 def forced_logits(token_ids, vocab_size=10):

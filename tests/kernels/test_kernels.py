@@ -18,7 +18,7 @@ import torch
 
 from speculant.kernels import (PackedLinear, add_rms_norm, ggml_blocks, native_available,
                                paged_attention, rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
-from speculant.forward_batch import SeqChunk
+from speculant.engine.forward_batch import SeqChunk
 from speculant.kernels.rope import apply_rope
 from speculant.kernels.rowwise import rms_norm_reference
 
@@ -531,7 +531,7 @@ def test_rope_write_kv_rejects_out_of_range_slots():
 
 def tiny_model(qtype: str, variant: str = "plain", num_heads: int = 6, seed: int = 13):
     """A random 2-layer model with GGUF-named weights: (ModelConfig, weights)."""
-    from speculant.model_config import ModelConfig
+    from speculant.models.config import ModelConfig
 
     arch = {"plain": "llama", "bias": "qwen2", "qk_norm": "qwen3"}[variant]
     cfg = ModelConfig(architecture=arch, num_layers=2, hidden_size=64, intermediate_size=96,
@@ -566,7 +566,7 @@ def tiny_model(qtype: str, variant: str = "plain", num_heads: int = 6, seed: int
 
 def run_two_steps(model, chunks_per_step):
     """Prefill then decode/verify through the model; returns both steps' outputs."""
-    from speculant.forward_batch import build_forward_batch
+    from speculant.engine.forward_batch import build_forward_batch
 
     cache = model.new_kv_cache(num_blocks=32, block_size=4)
     outputs = []
@@ -593,7 +593,7 @@ def test_decoder_stack_equals_native_op_by_op(qtype, variant, num_heads):
     (logits and the requested layers' hidden states), through a prefill and a verification."""
     if not native_available():
         pytest.skip("native kernels unavailable here")
-    from speculant.model import Model
+    from speculant.models.llama import Model
 
     cfg, w = tiny_model(qtype, variant, num_heads)
     stack = run_two_steps(Model(cfg, w, path="stack"), TWO_SEQUENCES)
@@ -608,7 +608,7 @@ def test_native_model_matches_torch_reference(variant):
     """With F32 weights (no activation rounding), native and pure-PyTorch logits agree to 1e-5."""
     if not native_available():
         pytest.skip("native kernels unavailable here")
-    from speculant.model import Model
+    from speculant.models.llama import Model
 
     cfg, w = tiny_model("F32", variant)
     native = run_two_steps(Model(cfg, w), TWO_SEQUENCES)
@@ -621,7 +621,7 @@ def test_model_logits_do_not_depend_on_the_batch():
     """Sequence 0's logits are bit-identical run alone or next to sequence 1 (Q4_1 weights)."""
     if not native_available():
         pytest.skip("native kernels unavailable here")
-    from speculant.model import Model
+    from speculant.models.llama import Model
 
     model = Model(*tiny_model("Q4_1"))
     together = run_two_steps(model, TWO_SEQUENCES)

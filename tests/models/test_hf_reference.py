@@ -1,15 +1,14 @@
 """The default model against Hugging Face transformers (same GGUF, fp32)."""
-import os
 
 import pytest
 import torch
 
 from conftest import dev_prompts
-from speculant.forward_batch import SeqChunk, build_forward_batch
-from speculant.hf_peer import load_hf_model
-from speculant.loader import default_model_path, load_model
-from speculant.model import Model
-from speculant.prompt_set import first_turn_prompt
+from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+from speculant.bench.hf_peer import load_hf_model
+from speculant.models.loader import default_model_path, load_model
+from speculant.models.llama import Model
+from speculant.data.prompt_set import first_turn_prompt
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +37,7 @@ def test_fp32_logits_match_transformers(hf):
 
 def test_fp32_greedy_64_tokens_identical_to_transformers_on_10_dev_prompts(hf):
     from speculant.llm import LLM
-    from speculant.sampling_params import SamplingParams, SpecParams
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
 
     hf_model, _ = hf
     llm = LLM("default", dtype="float32", max_num_seqs=10)
@@ -59,7 +58,7 @@ def test_parity_command_reports_fp32_agreement_and_quantized_deviation(capsys, t
     rounding, the shipped quantized weights deviate measurably (int8 activation blocks)."""
     import json
 
-    from speculant.cli import main
+    from speculant.cli.main import main
     prompts = tmp_path / "prompts.jsonl"  # its own file: the test runs wherever the repo is
     prompts.write_text(json.dumps({"id": "q1", "category": "qa", "mode": "chat",
                                    "turns": ["Who wrote the novel Moby-Dick?"]}) + "\n")
@@ -74,6 +73,6 @@ def test_parity_command_reports_fp32_agreement_and_quantized_deviation(capsys, t
 
 
 def test_parity_command_rejects_bad_limit():
-    from speculant.cli import main
+    from speculant.cli.main import main
 
     assert main(["parity", "--limit", "0"]) == 2

@@ -1,15 +1,14 @@
 """Loading GGUF and Hugging Face folders; logits match transformers on tiny random models."""
 import json
-import os
 
 import pytest
 import torch
 
 from conftest import save_tiny_hf_model
-from speculant.forward_batch import SeqChunk, build_forward_batch
-from speculant.loader import ModelNotFoundError, default_model_path, load_model, resolve_model
-from speculant.model import Model
-from speculant.model_config import UnsupportedArchitectureError
+from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+from speculant.models.loader import ModelNotFoundError, default_model_path, load_model, resolve_model
+from speculant.models.llama import Model
+from speculant.models.config import UnsupportedArchitectureError
 
 
 def our_logits(path, ids, dtype="auto"):

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import ctypes
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -40,7 +39,7 @@ def _free_port() -> int:
 
 
 def _model_free_speculators() -> list[str]:
-    from speculant.spec.base import registered_names, speculator_class
+    from speculant.speculators.registry import registered_names, speculator_class
 
     # 'synthetic' fakes acceptance for benchmarks (its output is not the model's).
     return [n for n in registered_names()
@@ -51,7 +50,7 @@ def _model_free_speculators() -> list[str]:
 def server():
     """Base URL of a running `speculant serve`; stopped (and checked alive) at module end."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "speculant.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "speculant.cli.main", "serve", "--port", str(port),
            "--parallel", str(PARALLEL), "--max-queue", str(MAX_QUEUE), "--api-key", API_KEY,
            "--spec-type", ",".join(_model_free_speculators()), "--kv-cache-tokens", "16384",
            "--threads", str(TEST_THREADS)]

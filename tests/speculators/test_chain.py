@@ -1,9 +1,10 @@
 """The speculator chain: winner by expected gain, accept/is_other routing, backoff, statistics."""
 import pytest
 
-from speculant.spec.acceptance import AcceptanceCounts, net_gain, survival, worth_drafting
-from speculant.spec.base import Draft, DraftParams, DraftRequest, Speculator
-from speculant.spec.chain import SpeculatorChain
+from speculant.speculators.acceptance import net_gain, survival, worth_drafting
+from speculant.speculators.counters import AcceptanceCounters
+from speculant.speculators.base import Draft, DraftParams, DraftRequest, Speculator
+from speculant.speculators.chain import SpeculatorChain
 
 
 class Fixed(Speculator):
@@ -48,10 +49,11 @@ def test_net_gain_is_expected_accepted_minus_cost():
 
 
 def test_counts_track_reached_and_accepted_positions():
-    counts = AcceptanceCounts()
-    counts.record(draft_len=4, num_accepted=2)  # positions 0,1 accepted; 2 reached and rejected
-    assert counts.reached == [1, 1, 1, 0]
-    assert counts.accepted == [1, 1, 0, 0]
+    counts = AcceptanceCounters()
+    counts.record_draft(draft_len=4, num_accepted=2)  # positions 0,1 accepted; 2 reached and rejected
+    assert counts.reached_per_pos == [1, 1, 1, 0]
+    assert counts.accepted_per_pos == [1, 1, 0, 0]
+    assert counts.drafted_per_pos == [1, 1, 1, 1]
 
 
 def test_winner_is_the_draft_with_highest_expected_gain_and_others_are_told_is_other():
@@ -66,7 +68,7 @@ def test_winner_is_the_draft_with_highest_expected_gain_and_others_are_told_is_o
     assert short.accepts == [(0, 3, True)]
     assert chain.stats["long"].num_accepted_tokens == 3
     assert chain.stats["long"].accepted_per_pos == [1, 1, 1, 0]
-    assert chain.stats["short"].num_drafts == 1 and chain.stats["short"].num_drafts_won == 0
+    assert chain.stats["short"].num_proposals == 1 and chain.stats["short"].num_drafts == 0
 
 
 def test_sequence_only_uses_its_allowed_speculators():
@@ -129,7 +131,7 @@ def test_confident_drafter_that_keeps_failing_backs_off():
 
 
 def test_expected_accepted_alone_maps_to_a_per_position_rate():
-    from speculant.spec.chain import _rate_for_expected
+    from speculant.speculators.chain import _rate_for_expected
 
     a = _rate_for_expected(2.0, 4)
     assert abs(sum(a ** i for i in range(1, 5)) - 2.0) < 1e-6

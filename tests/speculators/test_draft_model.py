@@ -6,11 +6,11 @@ import shutil
 import pytest
 
 from conftest import REPO, TEST_THREADS, decode_all, dev_prompts, save_tiny_hf_model
-from speculant.engine import Engine
-from speculant.sampling_params import SamplingParams, SpecParams
-from speculant.spec.draft_model import DraftModelSpeculator
-from speculant.spec.vocab_check import IncompatibleVocabError, check_vocab_compatible
-from speculant.tokenizer import Tokenizer, _hf_folder_files
+from speculant.engine.engine import Engine
+from speculant.engine.sampling_params import SamplingParams, SpecParams
+from speculant.speculators.draft_model import DraftModelSpeculator
+from speculant.speculators.vocab_check import IncompatibleVocabError, check_vocab_compatible
+from speculant.models.tokenizer import Tokenizer, _hf_folder_files
 
 PROMPTS = ["Write a limerick about a cat.", "Explain what a CPU cache is.",
            "List the planets of the solar system.", "What is photosynthesis?"]
@@ -24,7 +24,8 @@ def run(engine, prompts, spec, max_tokens=32):
 
 @pytest.fixture(scope="module")
 def self_draft_engine():
-    return Engine(model="default", spec_type=["draft"], draft_model="default", max_num_seqs=4,
+    return Engine(model="default", spec_type=["draft"], spec_options={"draft": {"model": "default"}},
+                  max_num_seqs=4,
                   num_threads=TEST_THREADS, kv_cache_tokens=8192)
 
 
@@ -41,9 +42,9 @@ def test_target_as_its_own_draft_accepts_nearly_everything_and_is_exact(self_dra
 
 def test_parallel_drafting_one_forward_per_draft_position(self_draft_engine):
     """Draft forwards per round equal draft positions, not sequences x positions."""
-    from speculant.spec.base import DraftParams, DraftRequest
+    from speculant.speculators.base import DraftParams, DraftRequest
 
-    spec: DraftModelSpeculator = self_draft_engine.chain.speculators["draft"]
+    spec: DraftModelSpeculator = self_draft_engine.speculator("draft")
     tok = self_draft_engine.tokenizer
     histories = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     for i, h in enumerate(histories):
@@ -68,13 +69,13 @@ def test_parallel_drafting_one_forward_per_draft_position(self_draft_engine):
 
 def test_random_draft_accepts_little_and_output_stays_exact(tmp_path, default_tokenizer_dir):
     save_tiny_hf_model(tmp_path, default_tokenizer_dir, "llama", seed=3)
-    engine = Engine(model="default", spec_type=["draft"], draft_model=str(tmp_path),
+    engine = Engine(model="default", spec_type=["draft"], spec_options={"draft": {"model": str(tmp_path)}},
                     max_num_seqs=4, num_threads=TEST_THREADS, kv_cache_tokens=8192)
     plain = run(engine, PROMPTS[:2], SpecParams(enabled=False))
     spec = run(engine, PROMPTS[:2], SpecParams())
     assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
-    stats = engine.chain.stats["draft"]
-    assert stats.num_draft_tokens > 0 and stats.acceptance_rate() < 0.2
+    stats = engine.speculator_stats()["draft"]
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate < 0.2
 
 
 def test_incompatible_vocabulary_is_refused_naming_the_first_mismatch(tmp_path, default_tokenizer_dir):
@@ -94,7 +95,7 @@ def test_incompatible_vocabulary_is_refused_naming_the_first_mismatch(tmp_path, 
 
 
 def test_draft_lifecycle_misuse_is_loud(self_draft_engine):
-    spec: DraftModelSpeculator = self_draft_engine.chain.speculators["draft"]
+    spec: DraftModelSpeculator = self_draft_engine.speculator("draft")
     spec.begin(999, [1, 2, 3])
     with pytest.raises(ValueError, match="999"):
         spec.begin(999, [1, 2, 3])
@@ -110,7 +111,7 @@ def test_draft_lifecycle_misuse_is_loud(self_draft_engine):
     ([], 2, 10, frozenset(), [0, 1]),  # no ranking: id order
 ])
 def test_head_token_ids(ranking, n, vocab, always, expected):
-    from speculant.spec.draft_vocab import head_token_ids
+    from speculant.speculators.draft_vocab import head_token_ids
 
     assert head_token_ids(ranking, n, vocab, always).tolist() == expected
 
@@ -118,14 +119,14 @@ def test_head_token_ids(ranking, n, vocab, always, expected):
 def test_rank_tokens_orders_by_count_then_id():
     import torch
 
-    from speculant.spec.draft_vocab import rank_tokens
+    from speculant.speculators.draft_vocab import rank_tokens
 
     ids, counts = rank_tokens(torch.tensor([5, 1, 5, 2, 1, 5, 0]), 8)
     assert ids == [5, 1, 0, 2] and counts == [3, 2, 1, 1]
 
 
 def test_restricted_head_without_a_vocabulary_file_is_a_clear_error(tmp_path):
-    from speculant.spec.draft_vocab import read_ranking
+    from speculant.speculators.draft_vocab import read_ranking
 
     with pytest.raises(FileNotFoundError, match="draft_vocab.json"):
         read_ranking(str(tmp_path))
@@ -139,13 +140,13 @@ def shipped_draft_engine():
     """The trained draft shipped in drafts/ (its embedding shard rebuilt by `make`), int8 weights,
     in a chain with the model-free speculators, as `speculant bench` runs it."""
     return Engine(model="default", spec_type=["ngram_mod", "suffix", "draft"],
-                  draft_model=SHIPPED_DRAFT, spec_options={"draft": {"dtype": "q8_0"}},
+                  spec_options={"draft": {"model": SHIPPED_DRAFT, "dtype": "q8_0"}},
                   max_num_seqs=8, num_threads=TEST_THREADS, kv_cache_tokens=16384)
 
 
 def held_out_prompts(engine, per_category):
     """Prompts of the categories the draft was never trained on, first turns."""
-    from speculant.prompt_set import first_turn_prompt
+    from speculant.data.prompt_set import first_turn_prompt
 
     recs = []
     for cat in ("mt_bench", "qa", "translation"):
@@ -178,5 +179,5 @@ def test_shipped_draft_learned_to_agree_with_the_target(shipped_draft_engine):
     engine.chain.probe_interval = 0  # no back-off: a draft every step
     generate_batched(engine, held_out_prompts(engine, 3)[:8], SpecParams(types=["draft"], n_max=1),
                      48, 8)
-    stats = engine.chain.stats["draft"]
-    assert stats.num_draft_tokens >= 100 and stats.acceptance_rate() > 0.1
+    stats = engine.speculator_stats()["draft"]
+    assert stats.num_draft_tokens >= 100 and stats.acceptance_rate > 0.1

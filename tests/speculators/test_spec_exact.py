@@ -6,11 +6,12 @@ full issue-3 check (all 13 code_edit and 40 summarization prompts, 256 tokens) i
 import pytest
 
 from conftest import decode_all, dev_prompts
-from speculant.prompt_set import first_turn_prompt
-from speculant.sampling_params import SamplingParams, SpecParams
-from speculant.spec.base import registered_names
+from speculant.data.prompt_set import first_turn_prompt
+from speculant.engine.sampling_params import SamplingParams, SpecParams
+from speculant.speculators.registry import registered_names, speculator_class
 
-MODEL_FREE = [n for n in registered_names() if n not in ("draft", "synthetic")]
+MODEL_FREE = [n for n in registered_names()
+             if n != "synthetic" and not speculator_class(n).is_model_based]
 
 
 def generate(engine, prompts, spec: SpecParams, max_tokens, batch):

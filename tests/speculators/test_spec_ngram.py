@@ -3,15 +3,10 @@ import random
 
 import pytest
 
-from speculant.spec import (
-    CommittedTokens,
-    DraftParams,
-    DraftRequest,
-    SpeculatorContext,
-    speculator_class,
-)
-from speculant.spec.ngram_cache import build_table, load_table, prune_table, save_table
-from speculant.spec.ngram_match import NgramIndex, common_prefix_len
+from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest, SpeculatorContext
+from speculant.speculators.registry import speculator_class
+from speculant.speculators.ngram_cache import build_table, load_table, prune_table, save_table
+from speculant.speculators.ngram_match import NgramIndex, common_prefix_len
 
 CTX = SpeculatorContext(vocab_size=100)
 MODEL_FREE = ["ngram_simple", "ngram_map_k", "ngram_map_k4v", "ngram_mod", "ngram_cache", "suffix"]
@@ -437,8 +432,8 @@ def test_draft_stops_at_eos(name):
 
 def test_ngram_map_on_a_history_shorter_than_its_window_terminates():
     """Regression: a lookup limit below -1 once made NgramIndex.occurrences loop forever."""
-    from speculant.spec.base import DraftParams, DraftRequest, SpeculatorContext
-    from speculant.spec.ngram_map import NgramMapKSpeculator
+    from speculant.speculators.base import DraftParams, DraftRequest, SpeculatorContext
+    from speculant.speculators.ngram_map import NgramMapKSpeculator
 
     spec = NgramMapKSpeculator(SpeculatorContext(vocab_size=100))
     spec.begin(0, [1, 2, 3, 1, 2])

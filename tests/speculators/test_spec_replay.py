@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from speculant.spec import DraftParams, SpeculatorContext, speculator_class
-from speculant.spec.replay import load_records, main, replay, replay_record
+from speculant.speculators.base import DraftParams, SpeculatorContext
+from speculant.speculators.registry import speculator_class
+from speculant.speculators.replay import load_records, main, replay, replay_record
 
 CTX = SpeculatorContext(vocab_size=1000)
 PARAMS = DraftParams(n_max=8)
@@ -39,10 +40,12 @@ def test_copying_output_is_drafted(name, cfg):
 
 
 def test_step_accounting():
-    """Every step yields its accepted tokens plus one target token; the prefill is a step."""
+    """Every decode step yields its accepted tokens plus one target token; the first token
+    comes from the prefill."""
     rec = copy_record(1)
     stats = replay_record(make("suffix"), rec["prompt_ids"], rec["output_ids"], PARAMS)
-    assert stats.num_generated == stats.steps + stats.num_accepted_tokens
+    assert stats.num_generated == 1 + stats.num_steps + stats.num_accepted_tokens
+    assert stats.num_decoded == stats.num_generated - 1
     assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
     assert stats.accepted_per_pos == sorted(stats.accepted_per_pos, reverse=True)
     assert len(stats.accepted_per_pos) <= 8
@@ -54,7 +57,7 @@ def test_unpredictable_output_costs_one_step_per_token():
     prompt = list(range(100, 200))
     output = [rng.randrange(1000) for _ in range(50)]
     stats = replay_record(make("ngram_simple", size_n=3), prompt, output, PARAMS)
-    assert stats.steps == 50 and stats.num_accepted_tokens == 0
+    assert stats.num_steps == 49 and stats.num_accepted_tokens == 0
     assert stats.mean_accepted_length == 1.0
 
 
@@ -63,7 +66,7 @@ def test_replay_totals_and_shared_state():
     rec = copy_record(3)
     repeat = {"prompt_ids": [5, 6, 7], "output_ids": rec["output_ids"]}
     per_record, total = replay(make("suffix"), [rec, repeat], PARAMS)
-    assert total.steps == per_record[0].steps + per_record[1].steps
+    assert total.num_steps == per_record[0].num_steps + per_record[1].num_steps
     assert total.num_records == 2
     assert per_record[1].mean_accepted_length > 2  # cold prompt, answer seen before
 

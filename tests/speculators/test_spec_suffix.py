@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from speculant.spec import DraftParams, DraftRequest, SpeculatorContext
-from speculant.spec.suffix import SuffixConfig, SuffixSpeculator
-from speculant.spec.suffix_tree import SuffixTree
+from speculant.speculators.base import DraftParams, DraftRequest, SpeculatorContext
+from speculant.speculators.suffix import SuffixConfig, SuffixSpeculator
+from speculant.speculators.suffix_tree import SuffixTree
 
 CTX = SpeculatorContext(vocab_size=200)
 

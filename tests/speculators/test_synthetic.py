@@ -2,10 +2,10 @@
 import pytest
 
 from conftest import TEST_THREADS
-from speculant.engine import Engine
-from speculant.request_output import spec_summary
-from speculant.sampling_params import SamplingParams
-from speculant.spec.synthetic import synthetic_num_accepted
+from speculant.engine.engine import Engine
+from speculant.engine.request_output import spec_summary
+from speculant.engine.sampling_params import SamplingParams
+from speculant.speculators.synthetic import synthetic_num_accepted
 
 
 @pytest.mark.parametrize("rates, uniforms, expected", [
@@ -18,7 +18,8 @@ def test_synthetic_num_accepted(rates, uniforms, expected):
 
 
 def test_engine_accepts_by_the_configured_rates_and_marks_output_invalid():
-    engine = Engine(model="default", spec_synth_rates=[1.0], spec_n_max=4, num_threads=TEST_THREADS)
+    engine = Engine(model="default", spec_type=["synthetic"], spec_options={"synthetic": {"rates": [1.0]}},
+                    spec_n_max=4, num_threads=TEST_THREADS)
     seq = engine.add_request("Hello", SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import TEST_THREADS
-from speculant.distill import (EMBED_SHARD, LAYERS_SHARD, TrainableDraft, add_distill_args,
+from speculant.training.distill import (EMBED_SHARD, LAYERS_SHARD, TrainableDraft, add_distill_args,
                                distill_loss, pack_rows, run_distill, save_draft, select_layers,
                                simulated_acceptance)
 
@@ -55,7 +55,7 @@ def test_tiny_run_writes_a_draft_and_its_recipe(tiny_draft):
 
 def test_tiny_run_records_its_restricted_head_for_the_engine(tiny_draft):
     """--train-vocab N (default 8192) is written to config.json; the draft speculator reads it."""
-    from speculant.spec.draft_model import trained_head_tokens
+    from speculant.speculators.draft_model import trained_head_tokens
 
     out, recipe = tiny_draft
     assert recipe["lm_head_tokens"] == 8192 and trained_head_tokens(out) == 8192
@@ -84,11 +84,11 @@ def test_restricted_head_loss_equals_the_loss_over_the_head_tokens():
 
 
 def test_engine_loads_the_draft_and_greedy_output_is_exact(tiny_draft):
-    from speculant.engine import Engine
-    from speculant.sampling_params import SamplingParams, SpecParams
+    from speculant.engine.engine import Engine
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
 
-    engine = Engine(model="default", spec_type=["draft"], draft_model=tiny_draft[0],
-                    num_threads=TEST_THREADS, kv_cache_tokens=4096, max_num_seqs=2)
+    engine = Engine(model="default", spec_type=["draft"],
+                    spec_options={"draft": {"model": tiny_draft[0]}}, num_threads=TEST_THREADS, kv_cache_tokens=4096, max_num_seqs=2)
     chats = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
              for p in ("Name three colors.", "What is a CPU?")]
     runs = []
@@ -105,16 +105,16 @@ def test_engine_loads_the_draft_and_greedy_output_is_exact(tiny_draft):
 def test_restricted_lm_head_proposes_only_its_tokens_and_output_stays_exact(tiny_draft):
     """draft.lm_head_tokens=N: the draft scores only the N tokens the target generated most in
     the distill data (draft_vocab.json), proposes nothing else, and greedy output is unchanged."""
-    from speculant.engine import Engine
-    from speculant.sampling_params import SamplingParams, SpecParams
-    from speculant.spec.draft_vocab import read_ranking
+    from speculant.engine.engine import Engine
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
+    from speculant.speculators.draft_vocab import read_ranking
 
     ranking = read_ranking(tiny_draft[0])
     assert ranking, "distill wrote no draft vocabulary"
-    engine = Engine(model="default", spec_type=["draft"], draft_model=tiny_draft[0],
-                    spec_options={"draft": {"lm_head_tokens": 16}}, num_threads=TEST_THREADS,
+    engine = Engine(model="default", spec_type=["draft"],
+                    spec_options={"draft": {"model": tiny_draft[0], "lm_head_tokens": 16}}, num_threads=TEST_THREADS,
                     kv_cache_tokens=4096, max_num_seqs=2)
-    drafter = engine.chain.speculators["draft"]
+    drafter = engine.speculator("draft")
     allowed = set(drafter.head_ids.tolist())
     assert len(allowed) == 16 and set(ranking[:15]) <= allowed  # (EOS is always kept)
     assert drafter.model.lm_head.out_features == 16
@@ -159,9 +159,9 @@ def test_export_reproduces_the_truncated_target_forward(tmp_path):
     2-layer truncated target (float32 weights: no activation quantization in the reference)."""
     import transformers
 
-    from speculant.forward_batch import SeqChunk, build_forward_batch
-    from speculant.loader import load_model
-    from speculant.model import Model
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+    from speculant.models.loader import load_model
+    from speculant.models.llama import Model
 
     target = load_model("default", dtype="float32")
     ids = [1, 9690, 198, 2683, 359, 253, 5356, 30, 4093, 198, 1780, 314, 260, 3575, 282, 4649]
@@ -231,7 +231,7 @@ def test_rows_pack_windows_without_exceeding_seq_len():
 
 
 def test_spaced_layers_keep_the_first_and_the_last():
-    from speculant.model_config import ModelConfig
+    from speculant.models.config import ModelConfig
 
     config = ModelConfig("llama", 30, 64, 128, 4, 2, 16, 100, 512, 1e4, 1e-5, True)
     assert select_layers(config, 4, "spaced") == [0, 10, 19, 29]

@@ -1,0 +1,1 @@
+"""The benchmark harness: runs, peers (transformers, OpenAI endpoints), replay, reports."""

@@ -1,0 +1,113 @@
+"""`speculant bench` flags and their parsing (methods, concurrency levels, peers)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+from speculant.bench.report import PLAIN
+from speculant.engine.sampling_params import VERIFY_MODES
+
+
+def add_bench_args(p) -> None:
+    g = p.add_argument_group("bench")
+    g.add_argument("--prompts", default=None, help="JSONL prompt file (default: 8 built-in prompts)")
+    g.add_argument("--categories", default=None, help="comma-separated categories of --prompts")
+    g.add_argument("--limit", type=int, default=None, help="prompts per category")
+    g.add_argument("--concurrency", default="1,8", help="comma-separated concurrency levels")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    g.add_argument("--repeats", type=int, default=1, help="repeats per measurement (median shown)")
+    g.add_argument("--warmup-tokens", type=int, default=16,
+                   help="tokens of the untimed warm-up run of each method (0: none)")
+    g.add_argument("--verify", default="auto", choices=list(VERIFY_MODES))
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="always generate --max-tokens (fixed-length decode measurement)")
+    g.add_argument("--compare", default=None, metavar="PEERS",
+                   help="peers measured in the same run, comma separated: hf, openai=URL")
+    g.add_argument("--peer-repeats", type=int, default=None, metavar="N",
+                   help="repeats of each --compare peer (default: --repeats)")
+    g.add_argument("--hf-prompt-lookup", type=int, default=10, metavar="N",
+                   help="prompt_lookup_num_tokens of the hf prompt-lookup peer (0: skip it)")
+    g.add_argument("--openai-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds per request to an openai peer")
+    g.add_argument("--rerun-on-interference", type=int, default=0, metavar="N",
+                   help="re-run a measurement up to N times while other processes use the CPU")
+    g.add_argument("--interference-tolerance", type=float, default=0.25, metavar="CORES",
+                   help="average cores other processes may use before a run is flagged")
+    g.add_argument("--record", default=None, metavar="FILE",
+                   help="save the plain run's outputs as replay records (JSONL)")
+    g.add_argument("--replay", default=None, metavar="RECORDS",
+                   help="no model: replay recorded outputs through the --spec-type chains")
+    g.add_argument("--replay-row-cost", type=float, default=None, metavar="C",
+                   help="replay: what verifying one draft token costs, as a fraction of a plain "
+                        "decode step (default: the engine's prior); prices drafts in the chain "
+                        "and gives each row's est_speedup")
+    g.add_argument("--out-dir", default="bench_out", help="directory of the dated JSON and chart")
+    g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+
+
+@dataclass(slots=True)
+class PeerSpec:
+    kind: str  # "hf" | "openai"
+    url: str | None = None
+
+
+def parse_methods(spec_type: str) -> list[tuple[str, list[str]]]:
+    """'ngram_mod,suffix;draft' -> [('plain', []), ('ngram_mod,suffix', [...]), ('draft', [...])]."""
+    from speculant.engine.config import parse_spec_types
+
+    methods = [(PLAIN, [])]
+    for chain in (spec_type or "none").split(";"):
+        types = parse_spec_types(chain)
+        if types:
+            methods.append((",".join(types), types))
+    return methods
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency needs positive integers, got {text!r}")
+    return levels
+
+
+def parse_compare(value: str | None) -> list[PeerSpec]:
+    """'hf,openai=http://127.0.0.1:8080' -> [PeerSpec('hf'), PeerSpec('openai', 'http://...')]."""
+    peers = []
+    for item in (value or "").split(","):
+        kind, sep, url = item.strip().partition("=")
+        if kind == "hf" and not sep:
+            peers.append(PeerSpec("hf"))
+        elif kind == "openai" and sep and _is_http_url(url):
+            peers.append(PeerSpec("openai", url))
+        elif item.strip():
+            raise ValueError(f"--compare: unknown peer {item.strip()!r}; expected 'hf' or "
+                             f"'openai=URL' (e.g. openai=http://127.0.0.1:8080)")
+    if value is not None and not peers:
+        raise ValueError("--compare: no peer given; expected 'hf' or 'openai=URL'")
+    return peers
+
+
+def _is_http_url(url: str) -> bool:
+    parsed = urlparse(url)
+    return parsed.scheme in ("http", "https") and bool(parsed.netloc)
+
+
+def check_args(args) -> None:
+    """Validate the bench flags (and default --peer-repeats to --repeats)."""
+    if args.peer_repeats is None:
+        args.peer_repeats = args.repeats
+    for name, low in (("repeats", 1), ("peer_repeats", 1), ("max_tokens", 1), ("warmup_tokens", 0),
+                      ("rerun_on_interference", 0), ("hf_prompt_lookup", 0)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
+    if args.replay and (args.compare or args.record):
+        raise ValueError("--replay runs no model: --compare and --record do not apply")
+    if args.replay_row_cost is not None:
+        if not args.replay:
+            raise ValueError("--replay-row-cost applies only with --replay")
+        if not 0.0 <= args.replay_row_cost < 1.0:
+            raise ValueError(f"--replay-row-cost must be in [0, 1), got {args.replay_row_cost}")

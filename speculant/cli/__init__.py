@@ -1,0 +1,1 @@
+"""The `speculant` command: one module per subcommand plus the shared options."""

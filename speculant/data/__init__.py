@@ -1,0 +1,1 @@
+"""Prompt sets: reading the dev prompts schema and turning records into prompts."""

@@ -1,0 +1,1 @@
+"""Model families, their configuration, weight loading and tokenizers."""

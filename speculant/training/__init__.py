@@ -1,0 +1,1 @@
+"""Training drafters from the target's own outputs: distilled draft models (and heads)."""

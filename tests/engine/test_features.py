@@ -1,0 +1,123 @@
+"""Target-feature capture: the residual stream of committed tokens only, as a fresh prefill sees it."""
+import pytest
+import torch
+
+from conftest import TEST_THREADS
+from speculant.engine.engine import Engine
+from speculant.engine.sampling_params import SamplingParams, SpecParams
+from speculant.speculators.base import Draft, Speculator
+from speculant.speculators.registry import register, unregister
+
+COPY_PROMPT = ("Repeat this list exactly: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, "
+               "iota, kappa, lambda, mu, nu, xi, omicron, pi, rho, sigma, tau, upsilon.")
+LAYERS = (1, 14, 29)
+
+
+class FeatureProbe(Speculator):
+    """Drafts a wrong token half the time (so rows get rejected) and records what it is fed."""
+
+    name = "feature_probe"
+    hidden_layers = (14,)
+
+    def __init__(self, ctx, config=None):
+        self.fed: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.round = 0
+
+    def begin(self, seq_id, prompt_ids):
+        self.fed[seq_id] = []
+
+    def process(self, batch):
+        for c in batch:
+            assert c.hidden_states is not None and 14 in c.hidden_states
+            assert c.hidden_states[14].shape[0] == len(c.token_ids)
+            self.fed[c.seq_id].append((c.start_pos, c.hidden_states[14].clone()))
+
+    def draft(self, requests):
+        self.round += 1
+        tok = 0 if self.round % 2 else requests[0].token_ids[-1]
+        return {r.seq_id: Draft([tok, tok], expected_accepted=2.0) for r in requests}
+
+    def accept(self, seq_id, num_accepted, is_other):
+        pass
+
+    def end(self, seq_id):
+        pass
+
+
+
+def prefill_features(engine, token_ids):
+    seq = engine.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0.0,
+                                                       spec=SpecParams(enabled=False)),
+                             hidden_layers=LAYERS)
+    while engine.has_unfinished():
+        engine.step()
+    engine.release(seq)
+    return engine.captured_hidden_states(seq)
+
+
+def test_speculative_decode_features_equal_a_fresh_prefill(default_engine):
+    """Features kept while decoding with drafts (rejected rows dropped) are bit-identical to
+    those of one prefill over prompt + output: one row per processed token, none extra."""
+    engine = default_engine
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": COPY_PROMPT}])
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=0.0),
+                             hidden_layers=LAYERS)
+    while engine.has_unfinished():
+        engine.step()
+    engine.release(seq)
+    assert seq.spec.num_drafts > 0 and seq.spec.num_draft_tokens > seq.spec.num_accepted_tokens
+    decoded = engine.captured_hidden_states(seq)
+    fresh = prefill_features(engine, seq.token_ids[:-1])
+    for layer in LAYERS:
+        assert decoded[layer].shape == (len(seq.token_ids) - 1, engine.model_config.hidden_size)
+        assert torch.equal(decoded[layer], fresh[layer]), f"layer {layer} differs"
+
+
+@pytest.fixture()
+def probe_engine():
+    register(FeatureProbe)
+    try:
+        yield Engine(model="default", spec_type=["feature_probe"], num_threads=TEST_THREADS,
+                     kv_cache_tokens=4096, max_num_seqs=2)
+    finally:
+        unregister(FeatureProbe.name)
+
+
+def test_speculators_receive_features_of_committed_tokens_only(probe_engine):
+    """A speculator asking for a layer gets exactly one row per committed token, in order,
+    equal to the request's own captured features; rejected draft rows never reach it."""
+    # (the probe drafts a wrong token every other round, so rows are rejected along the way)
+    engine = probe_engine
+    probe = engine.speculator("feature_probe")
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=24, temperature=0.0), hidden_layers=(14,))
+            for p in ("Count from one to ten.", "Name three colours.")]
+    while engine.has_unfinished():
+        engine.step()
+    for seq in seqs:
+        assert seq.spec.num_draft_tokens > seq.spec.num_accepted_tokens  # rows were rejected
+        fed = probe.fed[seq.seq_id]
+        starts = [start for start, _ in fed]
+        rows = torch.cat([h for _, h in fed])
+        assert starts == sorted(starts) and starts[0] == 0
+        captured = engine.captured_hidden_states(seq)[14]
+        assert captured.shape[0] == len(seq.token_ids) - 1
+        # the step that finished the sequence is not mirrored (the speculator has ended it)
+        assert seq.num_prompt < rows.shape[0] < captured.shape[0]
+        assert torch.equal(rows, captured[:rows.shape[0]])
+
+
+def test_no_capture_without_a_request_for_it(default_engine, monkeypatch):
+    """Model-free speculators ask for no layer: the target forward is asked for none."""
+    engine = default_engine
+    seen = []
+    forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward",
+                        lambda batch, cache: seen.append(batch.hidden_layers) or forward(batch, cache))
+    engine.run_to_completion(["Say hello."], SamplingParams(max_tokens=8, temperature=0.0))
+    assert seen and all(layers == () for layers in seen)
+
+
+def test_bad_layer_is_refused(default_engine):
+    """A layer outside the model is an error naming it."""
+    with pytest.raises(ValueError, match="hidden layer 30"):
+        default_engine.add_request("hi", SamplingParams(max_tokens=1), hidden_layers=(30,))

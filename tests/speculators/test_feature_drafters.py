@@ -1,0 +1,231 @@
+"""The feature drafters (eagle3, mtp): exact outputs with any head, the paged head equals the
+head's own causal maths, heads load from every supported layout, heads that do not fit are
+refused at load."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TEST_THREADS, decode_all
+from speculant.engine.engine import Engine
+from speculant.engine.sampling_params import SamplingParams, SpecParams
+from speculant.models.eagle3_head import Eagle3Head
+from speculant.models.mtp_head import MtpHead
+
+PROMPTS = ["Write a haiku about the sea.", "List four prime numbers.",
+           "Explain in one sentence what a compiler does.", "Say hello in French and Spanish."]
+
+
+@pytest.fixture(scope="module")
+def target_config():
+    from speculant.models.loader import load_model
+
+    return load_model("default", "auto").config
+
+
+def random_head(kind, target):
+    if kind == "eagle3":
+        return Eagle3Head.random(target, torch.arange(0, target.vocab_size, 7), seed=1)
+    return MtpHead.random(target, seed=1)
+
+
+@pytest.fixture(scope="module", params=["eagle3", "mtp"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def random_head_dir(kind, target_config, tmp_path_factory):
+    """A randomly initialised head for the default model, in its published layout."""
+    path = str(tmp_path_factory.mktemp(f"{kind}_head"))
+    random_head(kind, target_config).save(path, dtype=torch.float32)
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle_engine(kind, random_head_dir):
+    return Engine(model="default", spec_type=[kind],
+                  spec_options={kind: {"head": random_head_dir, "kv_dtype": "float32"}},
+                  max_num_seqs=4, num_threads=TEST_THREADS, kv_cache_tokens=8192)
+
+
+def chats(engine, prompts):
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_output_equals_plain(eagle_engine, batch):
+    """Whatever the head drafts, greedy speculative output equals plain decoding."""
+    prompts = chats(eagle_engine, PROMPTS)
+    plain = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=32, temperature=0.0,
+                                                             spec=SpecParams(enabled=False)), batch)
+    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
+    probe_forwards = probe.num_draft_forwards
+    spec = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=32, temperature=0.0,
+                                                            spec=SpecParams(n_max=3)), batch)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert sum(s.spec.num_draft_tokens for s in spec) > 0
+    assert probe.num_draft_forwards > probe_forwards
+
+
+def test_seeded_sampling_equals_plain(eagle_engine):
+    """Sampled drafts with q exposed: match-verification at temperature 1 reproduces plain
+    decoding with the same seed token for token."""
+    prompts = chats(eagle_engine, PROMPTS[:2])
+    params = dict(max_tokens=24, temperature=1.0, seed=5)
+    plain = decode_all(eagle_engine, prompts, SamplingParams(**params, spec=SpecParams(enabled=False)))
+    spec = decode_all(eagle_engine, prompts, SamplingParams(**params, spec=SpecParams(verify="match")))
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+
+
+def reference_first_draft(head, features: dict, token_ids: list[int]) -> int:
+    """The head's first draft token by its own maths: fc over the target's features of
+    positions 0..N-1, tokens 1..N, one causal attention over the whole sequence."""
+    raw = torch.cat([features[i] for i in head.capture_layers], dim=-1)  # [N, n_feat * d]
+    hidden = head.fuse(raw)
+    ids = torch.tensor(token_ids[1:])
+    q, k, v, residual = head.project_qkv(head.embed(ids), hidden)
+    pos = torch.arange(len(ids))
+    q, k = head.apply_rope(q, pos), head.apply_rope(k, pos)
+    group = q.shape[1] // k.shape[1]
+    attn = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+        v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+    h_out = head.finish(attn.reshape(len(ids), -1), residual)
+    col = int(head.draft_logits(h_out[-1:]).argmax())
+    return int(head.draft_to_target(torch.tensor(col)))
+
+
+@torch.inference_mode()
+def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
+    """The first draft token after the prompt is the one the head's full-sequence forward
+    gives on the same target features (alignment of features, tokens, positions, cache)."""
+    from speculant.llm import LLM
+
+    engine = eagle_engine
+    engine.reset_stats()  # fresh speculators: no learned back-off from earlier tests
+    probe = engine.speculator(engine.speculator_names[0])
+    llm = LLM.from_engine(engine)
+    prompt = chats(engine, ["Name a colour."])[0]
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0,
+                                                    spec=SpecParams(n_max=1)))
+    drafted = []
+    original = probe.draft
+
+    def spy(requests):
+        out = original(requests)
+        drafted.extend((list(r.token_ids), out[r.seq_id].token_ids[0]) for r in requests
+                       if r.seq_id in out)
+        return out
+
+    probe.draft = spy
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        probe.draft = original
+    engine.release(seq)
+    assert drafted, "the head never drafted"
+    history, first = drafted[0]
+    features = llm.hidden_states(history[:-1], probe.hidden_layers)
+    assert first == reference_first_draft(probe.head, features, history)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", 1024, "hidden_size 1024"),
+    ("vocab_size", 32000, "vocab_size 32000"),
+])
+def test_head_that_does_not_fit_is_refused(tmp_path, kind, random_head_dir, field, value, message):
+    """A head made for another target is refused at load, naming the mismatch."""
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(random_head_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg[field] = value
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        Engine(model="default", spec_type=[kind], spec_options={kind: {"head": str(bad)}},
+               num_threads=TEST_THREADS, kv_cache_tokens=1024)
+
+
+def test_eagle3_layer_ids_that_do_not_fit_are_refused(tmp_path, target_config):
+    """EAGLE-3 aux layers beyond the target's layer count are named at load."""
+    import json
+
+    path = tmp_path / "head"
+    random_head("eagle3", target_config).save(str(path))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 15, 40]
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="aux layer ids"):
+        Engine(model="default", spec_type=["eagle3"], spec_options={"eagle3": {"head": str(path)}},
+               num_threads=TEST_THREADS, kv_cache_tokens=1024)
+
+
+def test_missing_head_folder_is_a_clear_error(tmp_path, kind):
+    """A head path that is not a head folder names the file it could not read."""
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Engine(model="default", spec_type=[kind],
+               spec_options={kind: {"head": str(tmp_path / "nowhere")}},
+               num_threads=TEST_THREADS, kv_cache_tokens=1024)
+
+
+def _mtp_tensors(head: MtpHead) -> dict:
+    from speculant.models.mtp_head import CANONICAL
+
+    params = dict(head.named_parameters())
+    return {key: params[name].detach().clone() for key, name in CANONICAL.items()}
+
+
+def test_mtp_loads_deepseek_layout(tmp_path, target_config):
+    """DeepSeek's `model.layers.{L}.*` MTP tensors load to the same module as `mtp.*`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from speculant.models.mtp_head import DEEPSEEK
+
+    head = random_head("mtp", target_config)
+    to_deepseek = {v: k for k, v in DEEPSEEK.items()}
+    prefix = f"model.layers.{target_config.num_layers}."
+    tensors = {}
+    for key, t in _mtp_tensors(head).items():
+        rest = to_deepseek.get(key) or key[len("mtp.layers.0."):]
+        tensors[prefix + rest] = t.contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": target_config.hidden_size}))
+    loaded = MtpHead.load(str(tmp_path), target_config)
+    for (name, a), (_, b) in zip(head.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_mtp_loads_gguf_nextn_tensors(tmp_path, target_config):
+    """llama.cpp's `blk.{L}.nextn.*` + block tensors (q/k rows in GGUF order) load exactly."""
+    import gguf
+    import numpy as np
+
+    from speculant.models.loader import HF_LAYER_NAMES
+    from speculant.models.mtp_head import GGUF_NEXTN
+
+    head = random_head("mtp", target_config)
+    to_gguf = {v: k for k, v in GGUF_NEXTN.items()}
+    to_gguf.update({f"mtp.layers.0.{hf}": g for hf, g in HF_LAYER_NAMES.items()})
+    path = str(tmp_path / "mtp.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, t in _mtp_tensors(head).items():
+        data = t.numpy().astype(np.float32)
+        name = to_gguf[key]
+        heads = {"attn_q.weight": target_config.num_heads, "attn_k.weight": target_config.num_kv_heads}
+        if name in heads:  # store in llama.cpp's interleaved-RoPE row order
+            rows, half = data.shape[0], data.shape[0] // heads[name] // 2
+            order = np.arange(rows).reshape(heads[name], half, 2).transpose(0, 2, 1).reshape(-1)
+            data = data[np.argsort(order)]
+        writer.add_tensor(f"blk.{target_config.num_layers}.{name}", np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    loaded = MtpHead.load(path, target_config)
+    for (name, a), (_, b) in zip(head.named_parameters(), loaded.named_parameters()):
+        assert torch.equal(a, b), name
