@@ -4,6 +4,7 @@ Shows the text, tokens/s of both, the speed-up, and that the outputs are identic
 """
 from __future__ import annotations
 
+import os
 import time
 
 # A copy-heavy task the default 135M model does sensibly: most of the answer repeats the prompt,
@@ -17,6 +18,9 @@ DEMO_PROMPT = (
     "sleep under the old oak tree at the edge of the forrest."
 )
 DEMO_SPEC = "ngram_mod,suffix"
+# Open-ended chat: nothing to copy, the case a head reading the target's hidden states is for.
+CHAT_PROMPT = "Explain why the sky is blue in three sentences."
+CHAT_SPEC = "eagle3"
 
 
 def add_demo_args(p) -> None:
@@ -24,33 +28,62 @@ def add_demo_args(p) -> None:
     p.add_argument("--max-tokens", type=int, default=160)
 
 
+def demo_cases(args, eagle3_head: bool) -> list[tuple[str, list[str]]]:
+    """(prompt, speculators) pairs: the given ones, or the copy task with the model-free chain
+    and, when a head is shipped for the model, a chat prompt with eagle3."""
+    from speculant.engine.config import parse_spec_types
+
+    if args.spec_type not in (None, "", "none"):
+        return [(args.prompt or DEMO_PROMPT, parse_spec_types(args.spec_type))]
+    cases = [(args.prompt or DEMO_PROMPT, parse_spec_types(DEMO_SPEC))]
+    if eagle3_head and args.prompt is None:
+        cases.append((CHAT_PROMPT, [CHAT_SPEC]))
+    return cases
+
+
 def run_demo(args) -> int:
     from speculant.cli.options import engine_options
+    from speculant.cli.stats_table import format_speculator_table
     from speculant.llm import LLM
-    from speculant.engine.sampling_params import SamplingParams, SpecParams
 
-    if args.spec_type in (None, "", "none"):
-        args.spec_type = DEMO_SPEC
+    head = _has_shipped_head(args.model)
+    cases = demo_cases(args, head)
+    args.spec_type = ",".join(dict.fromkeys(t for _, types in cases for t in types))
     t0 = time.perf_counter()
     llm = LLM(args.model, **engine_options(args, max_num_seqs=1))
     print(f"[speculant] loaded {llm.engine.model_path} in {time.perf_counter() - t0:.2f} s")
-    prompt = llm.chat_prompt([args.prompt or DEMO_PROMPT])
+    all_same = True
+    for prompt, types in cases:
+        all_same &= _side_by_side(llm, llm.chat_prompt([prompt]), types, args.max_tokens)
+    print(format_speculator_table(llm.engine.speculator_stats()))
+    return 0 if all_same else 1
+
+
+def _side_by_side(llm, prompt: str, types: list[str], max_tokens: int) -> bool:
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
+
+    label = ",".join(types)
     runs = {}
-    for label, spec in (("plain", SpecParams(enabled=False)), (args.spec_type, SpecParams())):
-        llm.engine.reset_stats()
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, spec=spec)
-        out = llm.generate(prompt, params)[0]
-        runs[label] = out
-        print(f"\n=== {label}: {out.num_generated} tokens, {out.decode_tokens_per_s:.1f} tok/s decode, "
-              f"mean accepted length {out.spec['mean_accepted_length'] or 1.0:.2f}\n{out.text}")
-    plain, spec_out = runs["plain"], runs[args.spec_type]
+    for name, spec in (("plain", SpecParams(enabled=False)), (label, SpecParams(types=types))):
+        llm.engine.reset_stats(speculators=False)
+        out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, spec=spec))[0]
+        runs[name] = out
+        print(f"\n=== {name}: {out.num_generated} tokens, {out.decode_tokens_per_s:.1f} tok/s decode, "
+              f"mean accepted length {out.spec['mean_accepted_length']:.2f}\n{out.text}")
+    plain, spec_out = runs["plain"], runs[label]
     same = plain.token_ids == spec_out.token_ids
     speedup = spec_out.decode_tokens_per_s / plain.decode_tokens_per_s if plain.decode_tokens_per_s else 0
-    print(f"\n[speculant] identical output: {'yes' if same else 'NO'}; "
+    print(f"\n[speculant] {label}: identical output: {'yes' if same else 'NO'}; "
           f"plain {plain.decode_tokens_per_s:.1f} tok/s, speculative "
           f"{spec_out.decode_tokens_per_s:.1f} tok/s -> {speedup:.2f}x")
-    from speculant.cli.stats_table import format_speculator_table
+    return same
 
-    print(format_speculator_table(llm.engine.speculator_stats()))
-    return 0 if same else 1
 
+def _has_shipped_head(model: str) -> bool:
+    """Whether an EAGLE-3 head ships for this model (the default model's, once trained)."""
+    from speculant.models.loader import resolve_model
+    from speculant.speculators.eagle3 import Eagle3Speculator
+    from speculant.speculators.feature_drafter import REPO_DIR
+
+    name = Eagle3Speculator.shipped_heads.get(os.path.basename(resolve_model(model).path))
+    return bool(name) and os.path.isfile(os.path.join(REPO_DIR, "drafts", name, "config.json"))

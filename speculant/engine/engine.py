@@ -373,6 +373,7 @@ class Engine:
             num_kept = len(chunk.token_ids) if is_prefill else 1 + result.num_accepted
             self._advance_kv(seq, chunk.start_pos + num_kept)
             committed[-1].token_ids = chunk.token_ids[:num_kept]
+            committed[-1].next_token_id = result.token_ids[-1]
             self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
             if not is_prefill:
                 seq.spec.record_step()

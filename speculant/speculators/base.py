@@ -139,6 +139,9 @@ class CommittedTokens:
     seq_id: int
     start_pos: int
     token_ids: list[int]
+    # The token the target sampled after these (not committed yet: the next step's first
+    # input); None for a prompt chunk that is not the prompt's last.
+    next_token_id: int | None = None
     # Target features for model drafters (EAGLE-3, MTP, DFlash): layer -> the residual stream
     # after that target layer at each of these tokens, [len(token_ids), hidden_size] (row i was
     # computed reading token_ids[i]; it predicts the token after it). Holds the layers some
@@ -218,6 +221,20 @@ class Speculator(ABC):
 
 
 SpeculatorFactory = Callable[[SpeculatorContext, dict], Speculator]
+
+
+def check_model_drafter_config(who: str, config) -> None:
+    """ValueError naming the field, for the options every model drafter has: its own paged KV
+    cache (`kv_dtype`, `kv_cache_tokens`, `block_size`) and its draft `temperature`."""
+    from speculant.engine.kv_cache import KV_DTYPES
+
+    if config.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"{who}: kv_dtype must be one of {tuple(KV_DTYPES)}, got {config.kv_dtype!r}")
+    for name in ("kv_cache_tokens", "block_size"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{who}: {name} must be >= 1, got {getattr(config, name)}")
+    if not 0.0 <= config.temperature <= 10.0:
+        raise ValueError(f"{who}: temperature must be in [0, 10], got {config.temperature}")
 
 @dataclass(slots=True)
 class SpeculatorStats(AcceptanceCounters):

@@ -23,7 +23,8 @@ import torch
 
 from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError
-from speculant.speculators.base import Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext
+from speculant.speculators.base import (Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext,
+                                        check_model_drafter_config)
 from speculant.speculators.draft_vocab import head_token_ids, read_ranking
 from speculant.speculators.ngram_match import common_prefix_len
 
@@ -58,14 +59,9 @@ class DraftModelConfig:
         if self.lm_head_tokens < -1:
             raise ValueError(f"draft: lm_head_tokens must be >= 0 (or -1: as trained), "
                              f"got {self.lm_head_tokens}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"draft: kv_dtype must be one of {tuple(KV_DTYPES)}, "
-                             f"got {self.kv_dtype!r}")
-        for name in ("kv_cache_tokens", "block_size", "max_chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"draft: {name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"draft: temperature must be in [0, 10], got {self.temperature}")
+        if self.max_chunk_tokens < 1:
+            raise ValueError(f"draft: max_chunk_tokens must be >= 1, got {self.max_chunk_tokens}")
+        check_model_drafter_config("draft", self)
 
 
 class DraftModelSpeculator(Speculator):

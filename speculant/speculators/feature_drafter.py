@@ -10,11 +10,13 @@ expose the same per-step maths; this module owns the attention over a paged KV c
 
 Terms used below:
 - *head entry* p: the head's K/V at position p, computed from (feature f_p, token x_{p+1}).
-- *catch-up*: entries the target's committed tokens make computable. After the target commits
-  positions 0..N-1 and samples x_N, entries cached_len..N-1 are computed in one ragged forward
-  over every drafting sequence; entry N-1 yields the first draft token.
-- *draft entry*: entries N, N+1, ... from (the head's own hidden, previous draft token); they
-  are dropped after the round (the KV length returns to N, as the target's rollback).
+- *committed entries*: those the target's committed tokens make computable. When the target
+  commits positions up to N-1 and samples x_N, `process` computes entries cached_len..N-1 for
+  every sequence in one ragged head forward and keeps entry N-1's output hidden: the next
+  round's first draft token is its LM head row, no layer forward.
+- *draft entries*: N, N+1, ... from (the head's own hidden, the previous draft token); each
+  further draft token is one batched forward; they are dropped after the round (the KV length
+  returns to N, as the target's rollback).
 
 One head and one paged KV cache serve every sequence: each draft position is one batched head
 forward over all sequences still drafting. Drafts are greedy by default (q one-hot; `probs`
@@ -33,7 +35,8 @@ from speculant.engine.forward_batch import ForwardBatch, SeqChunk, build_forward
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError, KVCache
 from speculant.kernels import paged_attention
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
-                                        Speculator, SpeculatorContext, TargetView)
+                                        Speculator, SpeculatorContext, TargetView,
+                                        check_model_drafter_config)
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,8 +46,6 @@ class FeatureDrafterConfig:
     """- head: the head to load (a folder, or a GGUF for MTP layers); empty = the head
       shipped for the target, if there is one.
     - kv_cache_tokens, kv_dtype, block_size: the head's paged KV cache (all sequences).
-    - max_chunk_tokens: longest catch-up computed in one round (a long prompt is mirrored over
-      several rounds; its sequence drafts once caught up).
     - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their distribution.
     - seed: of draft sampling.
     """
@@ -53,18 +54,11 @@ class FeatureDrafterConfig:
     kv_cache_tokens: int = 32768
     kv_dtype: str = "float16"
     block_size: int = 16
-    max_chunk_tokens: int = 1024
     temperature: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"feature drafter: kv_dtype must be one of {tuple(KV_DTYPES)}, got {self.kv_dtype!r}")
-        for name in ("kv_cache_tokens", "block_size", "max_chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"feature drafter: {name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ValueError(f"feature drafter: temperature must be in [0, 10], got {self.temperature}")
+        check_model_drafter_config("feature drafter", self)
 
 
 def shipped_head_path(target: TargetView, shipped: dict[str, str]) -> str:
@@ -79,6 +73,9 @@ def shipped_head_path(target: TargetView, shipped: dict[str, str]) -> str:
 class _SeqState:
     cached_len: int = 0  # head entries 0..cached_len-1 are in the head's KV cache
     features: torch.Tensor | None = None  # [n, hidden] fused features of positions cached_len..
+    # [1, hidden] output of the newest committed entry: the source of the next round's first
+    # draft token; None when it is not computed
+    last: torch.Tensor | None = None
 
 
 class FeatureDrafter(Speculator):
@@ -151,8 +148,12 @@ class FeatureDrafter(Speculator):
 
     @torch.inference_mode()
     def process(self, batch: list[CommittedTokens]) -> None:
-        """Keep the fused features of committed tokens until their head entries are computed
-        (one `fc` call for the whole batch)."""
+        """Compute the head entries the committed tokens make computable, for every sequence
+        in one batched head forward (as the seeds mirror target batches into the draft
+        context). Entry p needs the feature f_p and the token x_{p+1}; the newest entry uses
+        the token the target just sampled (`next_token_id`), and its output hidden is kept: it
+        gives the next round's first draft token without another layer forward (the LM head
+        runs only if the chain asks for a draft)."""
         batch = [c for c in batch if c.seq_id in self._seqs and c.token_ids]
         if not batch:
             return
@@ -162,11 +163,17 @@ class FeatureDrafter(Speculator):
         raw = torch.cat([torch.cat([c.hidden_states[i] for i in self.hidden_layers], dim=-1)
                          for c in batch])  # [sum n, n_feat * hidden]
         fused = self.head.fuse(raw)  # [sum n, hidden]
-        row = 0
+        chunks, inputs, row = [], [], 0
         for c in batch:
-            self._append_features(self._seqs[c.seq_id], c.seq_id, c.start_pos,
-                                  fused[row:row + len(c.token_ids)])
+            state = self._seqs[c.seq_id]
+            self._append_features(state, c.seq_id, c.start_pos, fused[row:row + len(c.token_ids)])
             row += len(c.token_ids)
+            chunk = self._committed_chunk(state, c)
+            if chunk is not None:
+                chunks.append(chunk)
+                inputs.append(state.features[:len(chunk.token_ids)])
+        if chunks:
+            self._compute_committed(chunks, torch.cat(inputs))
 
     def _append_features(self, state: _SeqState, seq_id: int, start_pos: int,
                          rows: torch.Tensor) -> None:
@@ -175,62 +182,75 @@ class FeatureDrafter(Speculator):
             raise ValueError(f"{self.name}: sequence {seq_id} skipped positions {known}..{start_pos - 1}")
         if start_pos < state.cached_len:  # the target recomputed earlier positions
             self.cache.truncate(seq_id, start_pos)
-            state.cached_len, state.features = start_pos, None
+            state.cached_len, state.features, state.last = start_pos, None, None
         kept = None if state.features is None else state.features[:start_pos - state.cached_len]
         state.features = rows.clone() if kept is None or kept.shape[0] == 0 else torch.cat([kept, rows])
+
+    def _committed_chunk(self, state: _SeqState, c: CommittedTokens) -> SeqChunk | None:
+        """Entries cached_len.. whose next token is known: x_{p+1} comes from the committed
+        tokens, and for the newest from `next_token_id` (a prompt chunk that is not the last
+        one has none: its last entry waits for the next chunk)."""
+        end = c.start_pos + len(c.token_ids)  # first position not committed
+        tokens = list(c.token_ids) + ([c.next_token_id] if c.next_token_id is not None else [])
+        last = end - 1 if c.next_token_id is not None else end - 2  # newest computable entry
+        if last < state.cached_len or not self.cache.can_grow(c.seq_id, last + 1):
+            state.last = None
+            return None
+        next_ids = tokens[state.cached_len + 1 - c.start_pos:last + 2 - c.start_pos]
+        return SeqChunk(c.seq_id, state.cached_len, next_ids, 1 if c.next_token_id is not None else 0)
+
+    def _compute_committed(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> None:
+        h_rows = self._forward(chunks, hidden, with_logits=False)
+        if h_rows is None:  # the head's cache is full: these sequences draft nothing for now
+            for chunk in chunks:
+                self._seqs[chunk.seq_id].last = None
+            return
+        row = 0
+        for chunk in chunks:
+            state = self._seqs[chunk.seq_id]
+            state.cached_len = chunk.start_pos + len(chunk.token_ids)
+            state.features = state.features[len(chunk.token_ids):]
+            state.last = None
+            if chunk.num_logits:
+                state.last = h_rows[row:row + 1]
+                row += 1
 
     # ---- drafting ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest]) -> dict[int, Draft]:
+        """Draft token 1 comes from the newest committed entry (kept by `process`); each
+        further token is one batched forward of draft entries fed with the head's own hidden."""
         ready = [r for r in requests if self._can_draft(r)]
         grown: dict[int, DraftBuilder] = {r.seq_id: DraftBuilder() for r in ready}
         by_id = {r.seq_id: r for r in requests}
-        # 1) catch-up entries (target features); the last one yields the first draft token
-        chunks, inputs = [], []
-        for r in ready:
-            chunk, feats = self._catch_up(r)
-            chunks.append(chunk)
-            inputs.append(feats)
-        # 2..n) one draft entry per sequence still drafting, fed with the head's own hidden
-        is_catch_up = True
-        while chunks:
-            out = self._forward(chunks, torch.cat(inputs), is_catch_up)
-            if out is None:
-                break
+        chunks = [SeqChunk(r.seq_id, len(r.token_ids) - 2, [r.token_ids[-1]], 1) for r in ready]
+        out = None
+        if ready:
+            last = torch.cat([self._seqs[r.seq_id].last for r in ready])  # [S, hidden]
+            out = self.head.draft_logits(last), last
+        while chunks and out is not None:
             chunks, inputs = self._extend(chunks, out, by_id, grown)
-            is_catch_up = False
+            out = self._forward(chunks, torch.cat(inputs)) if chunks else None
         for r in ready:  # drop draft entries: the head's KV holds committed positions only
-            state = self._seqs[r.seq_id]
-            self.cache.truncate(r.seq_id, min(state.cached_len, self.cache.length(r.seq_id)))
+            self.cache.truncate(r.seq_id, self._seqs[r.seq_id].cached_len)
         return {seq_id: g.to_draft() for seq_id, g in grown.items()
                 if len(g.ids) >= max(1, by_id[seq_id].params.n_min)}
 
     def _can_draft(self, r: DraftRequest) -> bool:
-        """The history's features must reach its last committed position, and the head's
-        context and cache must hold the draft."""
+        """The newest committed entry must be the one before the sequence's last token, and the
+        head's context and cache must hold the draft."""
         state = self._state(r.seq_id)
-        num_feats = 0 if state.features is None else state.features.shape[0]
         committed = len(r.token_ids) - 1  # x_N (the last token) is not in the target's KV yet
         need = committed + r.params.n_max
-        return (r.params.n_max > 0 and state.cached_len < committed <= state.cached_len + num_feats
+        return (r.params.n_max > 0 and state.last is not None and state.cached_len == committed
                 and need < self.max_positions and self.cache.can_grow(r.seq_id, need))
 
-    def _catch_up(self, r: DraftRequest) -> tuple[SeqChunk, torch.Tensor]:
-        """Entries cached_len..N-1: tokens x_{p+1}, features f_p. Longer than
-        `max_chunk_tokens`: computed over several rounds, no draft until done."""
-        state = self._seqs[r.seq_id]
-        committed = len(r.token_ids) - 1
-        start = state.cached_len
-        end = min(committed, start + self.config.max_chunk_tokens)
-        feats = state.features[:end - start]  # [n, hidden]
-        state.features = state.features[end - start:]
-        num_logits = 1 if end == committed else 0
-        return SeqChunk(r.seq_id, start, list(r.token_ids[start + 1:end + 1]), num_logits), feats
-
-    def _forward(self, chunks: list[SeqChunk], hidden: torch.Tensor, is_catch_up: bool):
-        """One batched head forward. Returns (logits [R, draft_vocab], h_out [R, hidden]) for
-        the rows that asked for logits, or None when the head's cache is full."""
+    def _forward(self, chunks: list[SeqChunk], hidden: torch.Tensor, with_logits: bool = True):
+        """One batched head forward over `chunks` (entries at their positions, fed `hidden`
+        [T, hidden]); their K/V stay in the cache up to each chunk's end. Returns (logits
+        [R, draft_vocab], h_out [R, hidden]) of the rows that asked for logits (only h_out
+        without `with_logits`), or None when the head's cache is full."""
         try:
             batch = build_forward_batch(self.cache, chunks, self.cache.k[0].device)
         except CacheFullError:
@@ -238,13 +258,9 @@ class FeatureDrafter(Speculator):
         self.num_draft_forwards += 1
         h_out = self._run_layer(batch, hidden)  # [T, hidden]
         for chunk in chunks:
-            state = self._seqs[chunk.seq_id]
-            end = chunk.start_pos + len(chunk.token_ids)
-            if is_catch_up:  # entries of committed positions: kept across rounds
-                state.cached_len = end
-            self.cache.set_length(chunk.seq_id, end)
+            self.cache.set_length(chunk.seq_id, chunk.start_pos + len(chunk.token_ids))
         rows = h_out.index_select(0, batch.logits_indices)
-        return self.head.draft_logits(rows), rows
+        return (self.head.draft_logits(rows), rows) if with_logits else rows
 
     def _run_layer(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The head's decoder layer over the ragged batch, its K/V written to the paged cache."""
@@ -264,24 +280,21 @@ class FeatureDrafter(Speculator):
         return head.finish(attn.reshape(attn.shape[0], -1), residual)
 
     def _extend(self, chunks, out, by_id, grown):
-        """Pick each sequence's next draft token; the ones still drafting get a draft entry."""
+        """Pick each sequence's next draft token from its newest entry's logits; the sequences
+        still drafting get a draft entry (that token, fed the entry's hidden) after it."""
         logits, h_rows = out
-        next_chunks, next_inputs, row = [], [], 0
-        for chunk in chunks:
-            if chunk.num_logits == 0:
-                continue
+        next_chunks, next_inputs = [], []
+        for row, chunk in enumerate(chunks):
             r, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
             tok, prob, q = self._pick(logits[row])
-            h = h_rows[row:row + 1]
-            row += 1
             if prob < r.params.p_min:
                 continue
             grow.add(tok, prob, q)
-            pos = chunk.start_pos + len(chunk.token_ids)
+            pos = chunk.start_pos + 1  # the draft entry: (this hidden, this token)
             if len(grow.ids) < r.params.n_max and tok not in self.eos_token_ids \
                     and pos + 1 < self.max_positions and self.cache.can_grow(chunk.seq_id, pos + 1):
                 next_chunks.append(SeqChunk(chunk.seq_id, pos, [tok], 1))
-                next_inputs.append(h)
+                next_inputs.append(h_rows[row:row + 1])
         return next_chunks, next_inputs
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:

@@ -63,7 +63,8 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
     spec.begin(seq_id, prompt_ids)
     try:
         # 1) prefill: the target commits the prompt and samples output[0]
-        spec.process([CommittedTokens(seq_id, 0, list(prompt_ids))])
+        spec.process([CommittedTokens(seq_id, 0, list(prompt_ids),
+                                      output_ids[0] if output_ids else None)])
         history = list(prompt_ids) + list(output_ids[:1])
         done = len(output_ids[:1])
         stats.num_decoded = len(output_ids) - done
@@ -81,7 +82,7 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
                 stats.record_draft(len(draft_ids), num_acc)
             new_ids = list(output_ids[done:done + num_acc + 1])
             committed = [history[-1]] + new_ids[:num_acc]
-            spec.process([CommittedTokens(seq_id, len(history) - 1, committed)])
+            spec.process([CommittedTokens(seq_id, len(history) - 1, committed, new_ids[-1])])
             history.extend(new_ids)
             done += len(new_ids)
             stats.record_step()

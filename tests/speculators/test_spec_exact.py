@@ -75,3 +75,48 @@ def test_full_exactness_all_code_edit_and_summarization(default_engine, types, b
     recs = dev_prompts(["code_edit", "summarization"], None)
     prompts = [first_turn_prompt(r, default_engine.tokenizer) for r in recs]
     check_exact(default_engine, prompts, types, max_tokens=256, batch=batch)
+
+
+@pytest.fixture(scope="module")
+def feature_engine(tmp_path_factory):
+    """eagle3 (the shipped head, else a random one), mtp (a random module) and the model-free
+    chain in one engine: what issue 12's exactness check runs."""
+    import os
+
+    import torch
+
+    from conftest import TEST_THREADS
+    from speculant.engine.engine import Engine
+    from speculant.models.loader import load_model
+    from speculant.models.mtp_head import MtpHead
+    from speculant.speculators.eagle3 import Eagle3Speculator
+    from speculant.speculators.feature_drafter import REPO_DIR
+
+    loaded = load_model("default", "auto")
+    target = loaded.config
+    options = {}
+    shipped = os.path.join(REPO_DIR, "drafts",
+                           Eagle3Speculator.shipped_heads[os.path.basename(loaded.files.path)])
+    if not os.path.isfile(os.path.join(shipped, "config.json")):
+        from speculant.models.eagle3_head import Eagle3Head
+
+        shipped = str(tmp_path_factory.mktemp("eagle3"))
+        Eagle3Head.random(target, torch.arange(0, target.vocab_size, 5), seed=2).save(shipped)
+    options["eagle3"] = {"head": shipped}
+    mtp = str(tmp_path_factory.mktemp("mtp"))
+    MtpHead.random(target, seed=2).save(mtp)
+    options["mtp"] = {"head": mtp}
+    return Engine(model="default", spec_type=["ngram_mod", "suffix", "eagle3", "mtp"],
+                  spec_options=options, max_num_seqs=8, num_threads=TEST_THREADS,
+                  kv_cache_tokens=65536)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("types", [["eagle3"], ["mtp"], ["ngram_mod", "suffix", "eagle3"]])
+def test_full_exactness_feature_drafters(feature_engine, types, batch):
+    """Issue 12: every dev prompt of mt_bench, qa, translation, math_reasoning and
+    summarization, 256 tokens: speculative == plain."""
+    recs = dev_prompts(["mt_bench", "qa", "translation", "math_reasoning", "summarization"], None)
+    prompts = [first_turn_prompt(r, feature_engine.tokenizer) for r in recs]
+    check_exact(feature_engine, prompts, types, max_tokens=256, batch=batch)
