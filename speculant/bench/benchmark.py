@@ -3,15 +3,15 @@
     speculant bench [--prompts FILE.jsonl [--categories a,b] [--limit N]]
                     [--spec-type "a,b;c"] [--concurrency 1,8] [--max-tokens N] [--repeats R]
                     [--compare hf[,openai=URL]] [--record FILE] [--out-dir DIR]
-    speculant bench --replay RECORDS.jsonl --spec-type "a,b;c"      (no model: bench_replay)
+    speculant bench --replay RECORDS.jsonl --spec-type "a,b;c"      (no model: bench/replay.py)
 
 Every method (plain, then each ';'-separated chain of --spec-type) runs every category at every
 concurrency in one engine (one model load). Speculator state is rebuilt before every run, so
 nothing learned on a previous run (global suffix trees, n-gram pools) inflates the next one.
 Repeats interleave the methods (plain, A, B, plain, A, B, ...) so that drift on a shared machine
-hits all of them alike; every run is watched for CPU interference (bench_timing) and can be
+hits all of them alike; every run is watched for CPU interference (bench/timing.py) and can be
 re-run. Output: a markdown table and a summary on stdout, a chart and a JSON file in --out-dir
-(named by date), and as the last stdout line the same JSON object (schema: bench_report).
+(named by date), and as the last stdout line the same JSON object (schema: bench/report.py).
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class Run:
     wall_s: float
     stats: object  # EngineStats
     seqs: list  # [Sequence], in prompt order
-    usage: object  # bench_timing.CpuUsage
+    usage: object  # bench.timing.CpuUsage
     num_reruns: int
     row_cost: float | None = None  # engine's fitted cost of a verified row (speculative runs)
 

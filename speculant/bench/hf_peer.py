@@ -11,7 +11,7 @@ category's rate pools its prompts (tokens and times summed). N is forced with
   model is given.
 
 Per prompt the methods interleave (plain, lookup, assistant, plain, ...) so that drift on a
-shared machine hits them alike; every call is watched for CPU interference (bench_timing).
+shared machine hits them alike; every call is watched for CPU interference (bench/timing.py).
 """
 from __future__ import annotations
 

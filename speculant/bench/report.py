@@ -38,7 +38,7 @@ Result: one method on one category at one concurrency
   identical_to_plain    prompts whose output equals plain greedy output in every repeat
                         (null for plain itself)
   num_steps, num_drafts, num_draft_tokens, num_accepted_tokens   raw counters
-  interference          a kept repeat saw other processes use the CPU (see bench_timing)
+  interference          a kept repeat saw other processes use the CPU (see bench/timing.py)
   other_cpu_cores       the largest average of cores others used during a kept repeat
   own_cpu_util          our CPU time / (wall x threads), median over repeats
   num_reruns            repeats re-run because of interference (--rerun-on-interference)

@@ -34,6 +34,7 @@ import torch
 from speculant.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError, KVCache
 from speculant.kernels import paged_attention
+from speculant.models.packed_head import pack_linears, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, TargetView,
                                         check_model_drafter_config)
@@ -48,6 +49,8 @@ class FeatureDrafterConfig:
     - kv_cache_tokens, kv_dtype, block_size: the head's paged KV cache (all sequences).
     - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their distribution.
     - seed: of draft sampling.
+    - weights: how the head's matrices run: q8_0 (packed, the target's native kernels; auto
+      picks it on the CPU), or float32 as loaded.
     """
 
     head: str = ""
@@ -56,9 +59,11 @@ class FeatureDrafterConfig:
     block_size: int = 16
     temperature: float = 0.0
     seed: int = 0
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         check_model_drafter_config("feature drafter", self)
+        resolve_head_weights(self.weights, "cpu")  # ValueError naming a bad value
 
 
 def shipped_head_path(target: TargetView, shipped: dict[str, str]) -> str:
@@ -115,9 +120,11 @@ class FeatureDrafter(Speculator):
         if not path:
             raise ValueError(f"{cls.name}: no head shipped for {os.path.basename(ctx.target.model_path)}; "
                              f"give one with --spec-option {cls.name}.head=PATH")
-        head = cls.load_head(path, ctx.target)
+        head = cls.load_head(path, ctx.target).to(ctx.device).eval()
         config.head = path
-        return cls(ctx, config, head.to(ctx.device).eval(), ctx.target)
+        if resolve_head_weights(config.weights, ctx.device) == "q8_0":
+            pack_linears(head, "q8_0")
+        return cls(ctx, config, head, ctx.target)
 
     @classmethod
     @abstractmethod
