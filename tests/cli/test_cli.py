@@ -9,7 +9,8 @@ import pytest
 from conftest import DEV_PROMPTS
 
 CLI = [sys.executable, "-m", "speculant.cli.main"]
-FIELDS = {"id", "text", "token_ids", "num_prompt_tokens", "num_generated", "time_s", "tokens_per_s"}
+FIELDS = {"id", "text", "token_ids", "num_prompt_tokens", "num_generated", "time_s", "tokens_per_s",
+          "queue_time_s", "prefill_time_s", "decode_time_s", "decode_tokens_per_s"}
 SPEC_FIELDS = {"type_used", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
                "mean_accepted_length", "accepted_per_pos", "per_speculator"}
 
@@ -43,6 +44,25 @@ def test_generate_prompts_file_with_batch_and_speculation(tmp_path):
     objs = [json.loads(l) for l in out.strip().splitlines()]
     assert [o["id"] for o in objs] == [json.loads(p)["id"] for p in picked]
     assert all(o["spec"]["type_used"] == "ngram_simple" for o in objs)
+
+
+def test_per_request_timings_separate_waiting_from_decoding(tmp_path):
+    """At --batch 1 the second prompt waits for the first: its time_s includes that wait,
+    queue_time_s says how long, and decode_tokens_per_s is (tokens after the first) / its own
+    decode time."""
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": f"p{i}", "category": "cli", "turns": [t]}) + "\n"
+                         for i, t in enumerate(["Count to ten.", "Name five fruits."])))
+    out = run_cli("generate", "--prompts", str(f), "--batch", "1", "--max-tokens", "24",
+                  "--ignore-eos", "--json").stdout
+    first, second = [json.loads(line) for line in out.strip().splitlines()]
+    assert first["queue_time_s"] < second["queue_time_s"]
+    assert second["queue_time_s"] >= first["decode_time_s"]  # it waited for the first's decode
+    for o in (first, second):
+        assert o["time_s"] >= o["queue_time_s"] + o["decode_time_s"]
+        assert abs(o["decode_tokens_per_s"] - (o["num_generated"] - 1) / o["decode_time_s"]) < 0.01 * \
+            o["decode_tokens_per_s"] + 0.01
+    assert second["tokens_per_s"] < second["decode_tokens_per_s"]
 
 
 def test_plain_text_run_streams_and_ends_with_tokens_per_second():
