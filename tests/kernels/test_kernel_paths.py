@@ -1,6 +1,6 @@
-"""Kernel paths (AVX2, AVX-512 VNNI): every path's linear output is bit-identical to the AVX2
-path's (a mixed fleet produces the same text) and batch-invariant; the path is chosen from the
-CPU's features or forced with SPECULANT_KERNEL_PATH, and a bad choice fails loudly.
+"""Kernel paths (AVX2, AVX-512 VNNI): every path's linear and attention outputs are bit-identical
+to the AVX2 path's (a mixed fleet produces the same text) and batch-invariant; the path is chosen
+from the CPU's features or forced with SPECULANT_KERNEL_PATH, and a bad choice fails loudly.
 
 Tests of a path this CPU lacks skip, saying which path and features are missing.
 """
@@ -16,7 +16,7 @@ import gguf
 import pytest
 import torch
 
-from speculant.kernels import PackedLinear, native_available
+from speculant.kernels import PackedLinear, native_available, paged_attention
 from speculant.kernels.native import forced_kernel_path, kernel_path, supported_kernel_paths
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -137,6 +137,46 @@ def test_each_path_is_batch_invariant(qtype, path):
             assert torch.equal(bits(w(x[:m])), bits(alone[:m])), f"M={m}"
         perm = torch.randperm(20, generator=torch.Generator().manual_seed(3))
         assert torch.equal(bits(w(x[perm])), bits(alone[perm]))
+
+
+def attention_batch(head_dim: int, cache_dtype: torch.dtype, num_tokens: int, seed: int = 7):
+    """A verification chunk of `num_tokens` tokens of sequence 0 at positions 590.. (the 256-position
+    partitions split its context), then a decode token of sequence 1 at position 40; GQA 9:3."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(80, 16, 3, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(80, 16, 3, head_dim, generator=g).to(cache_dtype)
+    tables = torch.randperm(80, generator=g).to(torch.int32).view(2, 40)
+    seq = torch.tensor([0] * num_tokens + [1], dtype=torch.int32)
+    pos = torch.tensor(list(range(590, 590 + num_tokens)) + [40], dtype=torch.int32)
+    q = torch.randn(num_tokens + 1, 9, head_dim, generator=g)
+    return q, k_cache, v_cache, tables, seq, pos, head_dim ** -0.5
+
+
+def attend_on(path: str, *args) -> torch.Tensor:
+    with forced_kernel_path(path):
+        return paged_attention(*args)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 72, 128])  # 72: a last slice of 8 features
+@pytest.mark.parametrize("num_tokens", [1, 2, 9, 16])  # 3 to 48 queries per KV head
+def test_wide_attention_matches_avx2_bitwise(cache_dtype, head_dim, num_tokens):
+    """Attention on the AVX-512 path (512-bit score and value loops) == the AVX2 loops, bit for bit."""
+    require_path("avx512_vnni")
+    args = attention_batch(head_dim, cache_dtype, num_tokens)
+    assert torch.equal(bits(attend_on("avx512_vnni", *args)), bits(attend_on("avx2", *args)))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+def test_attention_is_batch_invariant_on_each_path(cache_dtype, path):
+    """On each path, every token's attention output is bit-identical alone and in the batch."""
+    q, k_cache, v_cache, tables, seq, pos, scale = attention_batch(64, cache_dtype, 9)
+    with forced_kernel_path(path):
+        full = paged_attention(q, k_cache, v_cache, tables, seq, pos, scale)
+        for t in range(q.shape[0]):
+            alone = paged_attention(q[t:t + 1], k_cache, v_cache, tables[seq[t]][None],
+                                    torch.zeros(1, dtype=torch.int32), pos[t:t + 1], scale)
+            assert torch.equal(bits(alone), bits(full[t:t + 1])), f"token {t}"
 
 
 def test_auto_picks_the_best_supported_path():

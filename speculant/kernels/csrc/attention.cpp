@@ -25,6 +25,11 @@
 // 8-lane chunks, the value sum in position order; then the merge in partition order) that never
 // depends on the other queries of its unit, on how the batch was split into units, or on which
 // thread ran it.
+//
+// Kernel paths: on a path with wide attention (kernel_path.h) the score chunks and the value sums
+// run as 512-bit loops (avx512/attention.cpp: two queries' FMA chains per vector, 16 features per
+// vector) with the same operations per lane, so the outputs are bit-identical to the AVX2 loops
+// here. There the 8 K rows of a chunk are converted to fp32 once for all the unit's queries.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -34,6 +39,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_wide.h"
+#include "kernel_path.h"
 #include "ops.h"
 #include "pool.h"
 #include "simd.h"
@@ -47,6 +54,9 @@ constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scratch a
 // result depending on the split (a multiple of 8).
 constexpr int64_t kPartition = 256;
 constexpr int kHeadTile = 3;       // query heads sharing each loaded V row
+// Units with fewer queries score with the AVX2 loop even on a wide path (same results): the
+// fp32 copy of each chunk's K rows only pays off when several query pairs read it.
+constexpr int64_t kMinWideQueries = 4;
 constexpr int64_t kPrefetchAhead = 16;  // positions between a row's prefetch and its use
 // Below this many (position, query head) pairs, ~5 us of work, one thread does it all.
 constexpr int64_t kMinParallelWork = 512;
@@ -63,6 +73,7 @@ struct Problem {
   float* out;              // [T, Hq, D]
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;
+  bool wide;  // the 512-bit inner loops (attention_wide.h)
 };
 
 // Tokens [t0, t1) of one sequence, query heads [h0, h1) of KV head kvh's group (0-based in it).
@@ -79,6 +90,9 @@ struct Scratch {
   std::vector<int64_t> q_last;               // [queries of the unit] its last position
   std::vector<int64_t> base;                 // attend_unit's partials: [tokens of the unit]
   std::vector<float> acc, max, sum;          // [tokens x partitions x Hq (x D)]
+  std::vector<float> k_chunk;                // wide path: [8, D] a chunk's K rows in fp32
+  std::vector<const float*> chunk_q;         // wide path: [queries] those reading the chunk
+  std::vector<float*> chunk_scores;          // wide path: [queries] where their scores go
 };
 
 // Row pointers of positions [p_begin, p_end) for KV head kvh (entry 0 = p_begin).
@@ -123,6 +137,47 @@ void scores8(const float* q, const KV* const* k, int64_t D, float scale, float* 
   const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
                                     _mm256_permute2f128_ps(h0123, h4567, 0x31));
   _mm256_storeu_ps(scores, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+}
+
+// The 8 K rows of a chunk as fp32 rows for the wide scores: fp16 rows are converted here once
+// for all the unit's queries (exactly), instead of at every query's loads.
+template <typename KV>
+void chunk_rows_f32(const KV* const* k, int64_t D, Scratch<KV>& sc, const float** k32) {
+  if constexpr (std::is_same_v<KV, float>) {
+    for (int i = 0; i < 8; ++i) k32[i] = k[i];
+  } else {
+    sc.k_chunk.resize(8 * D);
+    for (int i = 0; i < 8; ++i) {
+      float* row = sc.k_chunk.data() + i * D;
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row + d, load8(k[i] + d));
+      k32[i] = row;
+    }
+  }
+}
+
+// Scores of positions [p0, p0 + 8) (K rows k) for the queries of the unit that read them; a
+// query past its last position is skipped (p0 is then at or beyond its length rounded up to 8).
+template <typename KV>
+void chunk_scores(const Problem<KV>& pb, const KV* const* k, int64_t p0, int64_t stride,
+                  float* scores, Scratch<KV>& sc) {
+  const int64_t num_queries = static_cast<int64_t>(sc.q_rows.size()), D = pb.head_dim;
+  if (!pb.wide || num_queries < kMinWideQueries) {
+    for (int64_t j = 0; j < num_queries; ++j) {
+      if (p0 <= sc.q_last[j]) scores8(sc.q_rows[j], k, D, pb.scale, scores + j * stride + p0);
+    }
+    return;
+  }
+  const float* k32[8];
+  chunk_rows_f32(k, D, sc, k32);
+  sc.chunk_q.resize(num_queries);
+  sc.chunk_scores.resize(num_queries);
+  int64_t n = 0;
+  for (int64_t j = 0; j < num_queries; ++j) {
+    if (p0 > sc.q_last[j]) continue;
+    sc.chunk_q[n] = sc.q_rows[j];
+    sc.chunk_scores[n++] = scores + j * stride + p0;
+  }
+  attention_scores8_avx512(sc.chunk_q.data(), sc.chunk_scores.data(), n, k32, D, pb.scale);
 }
 
 // Scores [L rounded up to 8] -> exp(s - max) in place (positions >= L become exactly 0); returns
@@ -237,11 +292,7 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
         prefetch_row(sc.v_rows[p0 + kPrefetchAhead + i], D);
       }
     }
-    // queries in pairs; a query past its last position computes scores it never reads (p0 is
-    // then at or beyond its length rounded up to 8)
-    for (int64_t j = 0; j < num_queries; ++j) {
-      if (p0 <= sc.q_last[j]) scores8(sc.q_rows[j], k, D, pb.scale, scores + j * stride + p0);
-    }
+    chunk_scores(pb, k, p0, stride, scores, sc);
   }
   for (int64_t t = u.t0; t < u.t1; ++t) {
     const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
@@ -259,7 +310,10 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
         accs[i] = out.acc + e * D;
       }
       const KV* const* v_rows = sc.v_rows.data();
-      if (nq == 3) {
+      static_assert(kHeadTile <= kMaxWideQueries);
+      if (pb.wide) {
+        attention_values_avx512(v_rows, probs, nq, n, D, accs);
+      } else if (nq == 3) {
         values<3>(v_rows, probs, n, D, accs);
       } else if (nq == 2) {
         values<2>(v_rows, probs, n, D, accs);
@@ -490,7 +544,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                          cache_data<KV>(v_cache), block_tables.const_data_ptr<int32_t>(),
                          token_seq.const_data_ptr<int32_t>(), token_pos.const_data_ptr<int32_t>(),
                          out.data_ptr<float>(), Hq, Hkv, D, block_size, max_blocks,
-                         static_cast<float>(scale)};
+                         static_cast<float>(scale), wide_attention(active_kernel_path())};
     attend(pb, T, S, num_blocks);
   };
   if (half) {

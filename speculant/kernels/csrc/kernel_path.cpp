@@ -18,6 +18,7 @@ struct PathInfo {
   const char* name;
   const char* features;  // what the path needs, as lscpu / /proc/cpuinfo spell it
   bool (*supported)();
+  bool wide_attention;  // attention with 512-bit vectors (needs AVX-512F)
 };
 
 bool has_avx2() {
@@ -32,9 +33,9 @@ bool has_avx512_vnni() {
 
 // In increasing order of preference: "auto" picks the last one the CPU supports.
 constexpr PathInfo kKernelPaths[] = {
-    {KernelPath::kAvx2, "avx2", "avx2 fma f16c", has_avx2},
+    {KernelPath::kAvx2, "avx2", "avx2 fma f16c", has_avx2, false},
     {KernelPath::kAvx512Vnni, "avx512_vnni", "avx512f avx512bw avx512vl avx512_vnni",
-     has_avx512_vnni},
+     has_avx512_vnni, true},
 };
 static_assert(std::size(kKernelPaths) == static_cast<size_t>(KernelPath::kNumPaths));
 
@@ -84,6 +85,8 @@ KernelPath active_kernel_path() {
   }
   return static_cast<KernelPath>(path);
 }
+
+bool wide_attention(KernelPath path) { return info(path).wide_attention; }
 
 std::string kernel_path() { return info(active_kernel_path()).name; }
 

@@ -18,6 +18,9 @@ enum class KernelPath : int { kAvx2, kAvx512Vnni, kNumPaths };
 // set_kernel_path. Throws if the variable names an unknown path or one this CPU cannot run.
 KernelPath active_kernel_path();
 
+// Whether `path` runs attention's inner loops with 512-bit vectors (attention_wide.h).
+bool wide_attention(KernelPath path);
+
 // Operators (registered in ops.cpp): the active path's name; the paths this CPU supports, best
 // last; set_kernel_path(name or "auto") -> the previous path's name.
 std::string kernel_path();

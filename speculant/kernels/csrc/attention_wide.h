@@ -1,0 +1,26 @@
+// The interface between attention.cpp and its 512-bit inner loops (avx512/attention.cpp, compiled
+// apart with the AVX-512 flags): plain pointers and integers only, for the reason given in
+// linear_blocks.h. The avx512_vnni kernel path runs them (every AVX-512 VNNI CPU has AVX-512F).
+//
+// Both compute every score and every value-sum lane with the same operations, in the same order,
+// as attention.cpp's AVX2 loops (scores8, values_tile): the outputs are bit-identical.
+#pragma once
+
+#include <cstdint>
+
+namespace speculant {
+
+// For each query i < num_queries: dst[i][j] = scale * q_rows[i] . k_rows[j] for j < 8 (fp32 K
+// rows of D floats, D a multiple of 8).
+void attention_scores8_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
+                              const float* const* k_rows, int64_t D, float scale);
+
+// For each query j < nq (nq <= kMaxWideQueries): outs[j][d] = sum_p probs[j][p] * v_rows[p][d]
+// over p < n in ascending order, for all D features (a multiple of 8); V rows fp32 or fp16.
+constexpr int kMaxWideQueries = 3;
+void attention_values_avx512(const float* const* v_rows, const float* const* probs, int nq,
+                             int64_t n, int64_t D, float* const* outs);
+void attention_values_avx512(const uint16_t* const* v_rows, const float* const* probs, int nq,
+                             int64_t n, int64_t D, float* const* outs);
+
+}  // namespace speculant
