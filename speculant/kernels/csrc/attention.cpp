@@ -305,7 +305,8 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
       for (int i = 0; i < nq; ++i) {
         float* s = scores + (j0 + h0 + i) * stride;
         const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h0 + i);
-        out.sum[e] = softmax_numerators(s, n, &out.max[e]);
+        out.sum[e] = pb.wide ? attention_softmax_avx512(s, n, &out.max[e])
+                             : softmax_numerators(s, n, &out.max[e]);
         probs[i] = s;
         accs[i] = out.acc + e * D;
       }

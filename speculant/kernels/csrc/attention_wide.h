@@ -15,6 +15,10 @@ namespace speculant {
 void attention_scores8_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
                               const float* const* k_rows, int64_t D, float scale);
 
+// softmax_numerators (attention.cpp) with the exponentials 16 at a time: s [L rounded up to 8]
+// -> exp(s - max) in place (exactly 0 from L on); returns their sum, stores the max in *max_out.
+float attention_softmax_avx512(float* s, int64_t L, float* max_out);
+
 // For each query j < nq (nq <= kMaxWideQueries): outs[j][d] = sum_p probs[j][p] * v_rows[p][d]
 // over p < n in ascending order, for all D features (a multiple of 8); V rows fp32 or fp16.
 constexpr int kMaxWideQueries = 3;

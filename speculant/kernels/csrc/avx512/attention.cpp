@@ -9,6 +9,8 @@
 //     order.
 //   values: each feature's sum is still one FMA chain over the positions in ascending order; a
 //     vector just covers 16 features instead of 8.
+//   softmax: exp16 is simd.h's exp8 instruction for instruction on 16 lanes; the maximum is exact
+//     in any order, and the sum still adds 8-lane vectors in position order, then by hsum's tree.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -83,6 +85,36 @@ void score_pairs(const float* const* qa, const float* const* qb, float* const* d
     _mm256_storeu_ps(da[n], _mm512_castps512_ps256(s));
     if (db[n] != da[n]) _mm256_storeu_ps(db[n], upper_half(s));
   }
+}
+
+// simd.h's exp8 (Cephes' polynomial) on 16 lanes, same constants, same operations per lane.
+inline __m512 exp16(__m512 x) {
+  const __m512 lowest = _mm512_set1_ps(-87.0f);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lowest);
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+  return _mm512_maskz_mov_ps(in_range, y);
+}
+
+// simd.h's hsum: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -176,6 +208,32 @@ void attention_scores8_avx512(const float* const* q_rows, float* const* dst, int
       score_pairs<1>(qa, qb, da, db, k_rows, D, scale);
     }
   }
+}
+
+float attention_softmax_avx512(float* s, int64_t L, float* max_out) {
+  const int64_t L8 = (L + 7) / 8 * 8;
+  const float neg_inf = -__builtin_inff();
+  for (int64_t p = L; p < L8; ++p) s[p] = neg_inf;
+  const __mmask16 low8 = 0x00FF;  // a last chunk of 8 positions
+  __m512 vmax = _mm512_set1_ps(neg_inf);
+  int64_t p = 0;
+  for (; p + 16 <= L8; p += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + p));
+  if (p < L8) vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(low8, s + p));
+  *max_out = _mm512_reduce_max_ps(vmax);
+  const __m512 m = _mm512_set1_ps(*max_out);
+  __m256 vsum = _mm256_setzero_ps();
+  for (p = 0; p + 16 <= L8; p += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), m));
+    _mm512_storeu_ps(s + p, e);
+    vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
+    vsum = _mm256_add_ps(vsum, upper_half(e));
+  }
+  if (p < L8) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(low8, s + p), m));
+    _mm512_mask_storeu_ps(s + p, low8, e);
+    vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
+  }
+  return hsum8(vsum);
 }
 
 void attention_values_avx512(const float* const* v_rows, const float* const* probs, int nq,
