@@ -93,6 +93,9 @@ struct Scratch {
   std::vector<float> k_chunk;                // wide path: [8, D] a chunk's K rows in fp32
   std::vector<const float*> chunk_q;         // wide path: [queries] those reading the chunk
   std::vector<float*> chunk_scores;          // wide path: [queries] where their scores go
+  std::vector<const float*> probs;           // wide path: [queries] softmax numerators
+  std::vector<int64_t> lengths;              // wide path: [queries] positions read here
+  std::vector<float*> value_sums;            // wide path: [queries] where the sums go
 };
 
 // Row pointers of positions [p_begin, p_end) for KV head kvh (entry 0 = p_begin).
@@ -247,6 +250,71 @@ struct Partials {
   }
 };
 
+// Per token: its heads' softmax numerators and exp-weighted value sums over the partition, heads
+// in tiles that share each V row load.
+template <typename KV>
+void values_by_token(const Problem<KV>& pb, const Unit& u, int64_t part, float* scores,
+                     int64_t stride, Scratch<KV>& sc, const Partials& out) {
+  const int64_t D = pb.head_dim, group = pb.num_heads / pb.num_kv_heads, heads = u.h1 - u.h0;
+  const int64_t p_begin = part * kPartition;
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
+    if (n <= 0) continue;
+    const int64_t j0 = (t - u.t0) * heads;
+    for (int64_t h0 = 0; h0 < heads; h0 += kHeadTile) {
+      const int nq = static_cast<int>(std::min<int64_t>(kHeadTile, heads - h0));
+      const float* probs[kHeadTile];
+      float* accs[kHeadTile];
+      for (int i = 0; i < nq; ++i) {
+        float* s = scores + (j0 + h0 + i) * stride;
+        const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h0 + i);
+        out.sum[e] = softmax_numerators(s, n, &out.max[e]);
+        probs[i] = s;
+        accs[i] = out.acc + e * D;
+      }
+      const KV* const* v_rows = sc.v_rows.data();
+      if (nq == 3) {
+        values<3>(v_rows, probs, n, D, accs);
+      } else if (nq == 2) {
+        values<2>(v_rows, probs, n, D, accs);
+      } else {
+        values<1>(v_rows, probs, n, D, accs);
+      }
+    }
+  }
+}
+
+// Wide path: the softmax numerators of every query of the unit, then the value sums of
+// kMaxWideQueries queries at a time (two tokens' heads of a 3-head group), which share each
+// converted V row over the positions they all read (attention_wide.h).
+template <typename KV>
+void values_wide(const Problem<KV>& pb, const Unit& u, int64_t part, float* scores,
+                 int64_t stride, Scratch<KV>& sc, const Partials& out) {
+  const int64_t D = pb.head_dim, group = pb.num_heads / pb.num_kv_heads, heads = u.h1 - u.h0;
+  const int64_t p_begin = part * kPartition;
+  sc.probs.clear();
+  sc.lengths.clear();
+  sc.value_sums.clear();
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
+    if (n <= 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores + ((t - u.t0) * heads + h) * stride;
+      const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h);
+      out.sum[e] = attention_softmax_avx512(s, n, &out.max[e]);
+      sc.probs.push_back(s);
+      sc.lengths.push_back(n);
+      sc.value_sums.push_back(out.acc + e * D);
+    }
+  }
+  const int64_t num_queries = static_cast<int64_t>(sc.probs.size());
+  for (int64_t i = 0; i < num_queries; i += kMaxWideQueries) {
+    const int nq = static_cast<int>(std::min<int64_t>(kMaxWideQueries, num_queries - i));
+    attention_values_avx512(sc.v_rows.data(), sc.probs.data() + i, sc.lengths.data() + i, nq, D,
+                            sc.value_sums.data() + i);
+  }
+}
+
 // Positions [part * kPartition, ...) of the unit's queries (token t attends to 0..pos[t]): the
 // scores of every query, chunk by chunk (each chunk's K rows come from memory once and serve
 // every query of the unit); then per token its heads' softmax numerators and exp-weighted value
@@ -294,34 +362,10 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
     }
     chunk_scores(pb, k, p0, stride, scores, sc);
   }
-  for (int64_t t = u.t0; t < u.t1; ++t) {
-    const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
-    if (n <= 0) continue;
-    const int64_t j0 = (t - u.t0) * heads;
-    for (int64_t h0 = 0; h0 < heads; h0 += kHeadTile) {
-      const int nq = static_cast<int>(std::min<int64_t>(kHeadTile, heads - h0));
-      const float* probs[kHeadTile];
-      float* accs[kHeadTile];
-      for (int i = 0; i < nq; ++i) {
-        float* s = scores + (j0 + h0 + i) * stride;
-        const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h0 + i);
-        out.sum[e] = pb.wide ? attention_softmax_avx512(s, n, &out.max[e])
-                             : softmax_numerators(s, n, &out.max[e]);
-        probs[i] = s;
-        accs[i] = out.acc + e * D;
-      }
-      const KV* const* v_rows = sc.v_rows.data();
-      static_assert(kHeadTile <= kMaxWideQueries);
-      if (pb.wide) {
-        attention_values_avx512(v_rows, probs, nq, n, D, accs);
-      } else if (nq == 3) {
-        values<3>(v_rows, probs, n, D, accs);
-      } else if (nq == 2) {
-        values<2>(v_rows, probs, n, D, accs);
-      } else {
-        values<1>(v_rows, probs, n, D, accs);
-      }
-    }
+  if (pb.wide) {
+    values_wide(pb, u, part, scores, stride, sc, out);
+  } else {
+    values_by_token(pb, u, part, scores, stride, sc, out);
   }
 }
 

@@ -20,11 +20,12 @@ void attention_scores8_avx512(const float* const* q_rows, float* const* dst, int
 float attention_softmax_avx512(float* s, int64_t L, float* max_out);
 
 // For each query j < nq (nq <= kMaxWideQueries): outs[j][d] = sum_p probs[j][p] * v_rows[p][d]
-// over p < n in ascending order, for all D features (a multiple of 8); V rows fp32 or fp16.
-constexpr int kMaxWideQueries = 3;
-void attention_values_avx512(const float* const* v_rows, const float* const* probs, int nq,
-                             int64_t n, int64_t D, float* const* outs);
-void attention_values_avx512(const uint16_t* const* v_rows, const float* const* probs, int nq,
-                             int64_t n, int64_t D, float* const* outs);
+// over p < lengths[j] in ascending order, for all D features (a multiple of 8); V rows fp32 or
+// fp16. The queries share each loaded V row over the positions they all read.
+constexpr int kMaxWideQueries = 6;
+void attention_values_avx512(const float* const* v_rows, const float* const* probs,
+                             const int64_t* lengths, int nq, int64_t D, float* const* outs);
+void attention_values_avx512(const uint16_t* const* v_rows, const float* const* probs,
+                             const int64_t* lengths, int nq, int64_t D, float* const* outs);
 
 }  // namespace speculant

@@ -126,14 +126,18 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// Features [d0, d0 + 16 NV) of NQ queries: the value sums, every vector its own FMA chain.
+// Positions [p_begin, p_end) of the value sums of NQ queries, features [d0, d0 + 16 NV): every
+// vector is its own FMA chain, started at 0 or continued from outs (a chain split at a position
+// is the same chain: the stored partial sum is reloaded exactly).
 template <int NQ, int NV, typename KV>
-void values_tile(const KV* const* v_rows, const float* const* probs, int64_t n, int64_t d0,
-                 float* const* outs) {
+void values_tile(const KV* const* v_rows, const float* const* probs, int64_t p_begin,
+                 int64_t p_end, int64_t d0, bool resume, float* const* outs) {
   __m512 acc[NQ][NV];
   for (int j = 0; j < NQ; ++j)
-    for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < n; ++p) {
+    for (int i = 0; i < NV; ++i) {
+      acc[j][i] = resume ? _mm512_loadu_ps(outs[j] + d0 + 16 * i) : _mm512_setzero_ps();
+    }
+  for (int64_t p = p_begin; p < p_end; ++p) {
     __m512 v[NV];
     for (int i = 0; i < NV; ++i) v[i] = load16(v_rows[p] + d0 + 16 * i);
     for (int j = 0; j < NQ; ++j) {
@@ -147,38 +151,70 @@ void values_tile(const KV* const* v_rows, const float* const* probs, int64_t n, 
 
 // The last 8 features when D is not a multiple of 16.
 template <int NQ, typename KV>
-void values_tail8(const KV* const* v_rows, const float* const* probs, int64_t n, int64_t d0,
-                  float* const* outs) {
+void values_tail8(const KV* const* v_rows, const float* const* probs, int64_t p_begin,
+                  int64_t p_end, int64_t d0, bool resume, float* const* outs) {
   __m256 acc[NQ];
-  for (int j = 0; j < NQ; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < n; ++p) {
+  for (int j = 0; j < NQ; ++j) {
+    acc[j] = resume ? _mm256_loadu_ps(outs[j] + d0) : _mm256_setzero_ps();
+  }
+  for (int64_t p = p_begin; p < p_end; ++p) {
     const __m256 v = load8(v_rows[p] + d0);
     for (int j = 0; j < NQ; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(probs[j][p]), v, acc[j]);
   }
   for (int j = 0; j < NQ; ++j) _mm256_storeu_ps(outs[j] + d0, acc[j]);
 }
 
-// All D features of NQ queries, in slices of up to 4 vectors (64 features): NQ x 4 accumulators
-// and the 4 loaded V vectors fit the 32 registers.
+// All D features of NQ queries over positions [p_begin, p_end), in slices of up to 4 vectors
+// (64 features): 6 x 4 accumulators and the 4 loaded V vectors fit the 32 registers.
 template <int NQ, typename KV>
-void values(const KV* const* v_rows, const float* const* probs, int64_t n, int64_t D,
-            float* const* outs) {
+void values(const KV* const* v_rows, const float* const* probs, int64_t p_begin, int64_t p_end,
+            int64_t D, bool resume, float* const* outs) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) values_tile<NQ, 4>(v_rows, probs, n, d0, outs);
-  for (; d0 + 16 <= D; d0 += 16) values_tile<NQ, 1>(v_rows, probs, n, d0, outs);
-  if (d0 < D) values_tail8<NQ>(v_rows, probs, n, d0, outs);
+  for (; d0 + 64 <= D; d0 += 64) {
+    values_tile<NQ, 4>(v_rows, probs, p_begin, p_end, d0, resume, outs);
+  }
+  for (; d0 + 16 <= D; d0 += 16) {
+    values_tile<NQ, 1>(v_rows, probs, p_begin, p_end, d0, resume, outs);
+  }
+  if (d0 < D) values_tail8<NQ>(v_rows, probs, p_begin, p_end, d0, resume, outs);
 }
 
 template <typename KV>
-void values_any(const KV* const* v_rows, const float* const* probs, int nq, int64_t n, int64_t D,
-                float* const* outs) {
-  static_assert(kMaxWideQueries == 3, "one case per query count");
-  if (nq == 3) {
-    values<3>(v_rows, probs, n, D, outs);
-  } else if (nq == 2) {
-    values<2>(v_rows, probs, n, D, outs);
-  } else {
-    values<1>(v_rows, probs, n, D, outs);
+void values_n(int nq, const KV* const* v_rows, const float* const* probs, int64_t p_begin,
+              int64_t p_end, int64_t D, bool resume, float* const* outs) {
+  static_assert(kMaxWideQueries == 6, "one case per query count");
+  switch (nq) {
+    case 6: values<6>(v_rows, probs, p_begin, p_end, D, resume, outs); break;
+    case 5: values<5>(v_rows, probs, p_begin, p_end, D, resume, outs); break;
+    case 4: values<4>(v_rows, probs, p_begin, p_end, D, resume, outs); break;
+    case 3: values<3>(v_rows, probs, p_begin, p_end, D, resume, outs); break;
+    case 2: values<2>(v_rows, probs, p_begin, p_end, D, resume, outs); break;
+    default: values<1>(v_rows, probs, p_begin, p_end, D, resume, outs); break;
+  }
+}
+
+// Queries of different lengths: by increasing length, all of them over the positions the
+// shortest reads, then those still reading over the next stretch, and so on.
+template <typename KV>
+void values_any(const KV* const* v_rows, const float* const* probs, const int64_t* lengths,
+                int nq, int64_t D, float* const* outs) {
+  int order[kMaxWideQueries];
+  for (int j = 0; j < nq; ++j) {
+    int i = j;
+    for (; i > 0 && lengths[order[i - 1]] > lengths[j]; --i) order[i] = order[i - 1];
+    order[i] = j;
+  }
+  const float* sorted_probs[kMaxWideQueries];
+  float* sorted_outs[kMaxWideQueries];
+  for (int j = 0; j < nq; ++j) sorted_probs[j] = probs[order[j]], sorted_outs[j] = outs[order[j]];
+  int64_t p = 0;
+  for (int first = 0; first < nq;) {
+    const int64_t end = lengths[order[first]];
+    if (end > p) {
+      values_n(nq - first, v_rows, sorted_probs + first, p, end, D, p > 0, sorted_outs + first);
+      p = end;
+    }
+    while (first < nq && lengths[order[first]] <= p) ++first;
   }
 }
 
@@ -236,14 +272,14 @@ float attention_softmax_avx512(float* s, int64_t L, float* max_out) {
   return hsum8(vsum);
 }
 
-void attention_values_avx512(const float* const* v_rows, const float* const* probs, int nq,
-                             int64_t n, int64_t D, float* const* outs) {
-  values_any(v_rows, probs, nq, n, D, outs);
+void attention_values_avx512(const float* const* v_rows, const float* const* probs,
+                             const int64_t* lengths, int nq, int64_t D, float* const* outs) {
+  values_any(v_rows, probs, lengths, nq, D, outs);
 }
 
-void attention_values_avx512(const uint16_t* const* v_rows, const float* const* probs, int nq,
-                             int64_t n, int64_t D, float* const* outs) {
-  values_any(v_rows, probs, nq, n, D, outs);
+void attention_values_avx512(const uint16_t* const* v_rows, const float* const* probs,
+                             const int64_t* lengths, int nq, int64_t D, float* const* outs) {
+  values_any(v_rows, probs, lengths, nq, D, outs);
 }
 
 }  // namespace speculant
