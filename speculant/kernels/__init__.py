@@ -1,9 +1,11 @@
 """Compute kernels: compact-weight linear layers, paged attention, and the small fused operators of
 a decoder layer (RMSNorm, RoPE with the KV cache write, SiLU gate).
 
-Each operation has a native CPU path (C++/AVX2 in csrc/, built on first use by `native.py`;
-batch-invariant: a row's result never depends on what else is in the batch) and a pure-PyTorch
-fallback used on other devices, with `SPECULANT_NATIVE=0`, or where the extension can't be built.
+Each operation has a native CPU path (C++ in csrc/, built on first use by `native.py`: AVX2, and
+AVX-512 VNNI linear and attention loops picked at run time where the CPU has them, with
+bit-identical results; batch-invariant: a row's result never depends on what else is in the
+batch) and a pure-PyTorch fallback used on other devices, with `SPECULANT_NATIVE=0`, or where the
+extension can't be built.
 `decoder.py` runs a model's whole layer stack in one native call.
 
 Threads: the native kernels use torch.get_num_threads() threads, from their own work-sharing pool

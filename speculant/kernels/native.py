@@ -9,9 +9,9 @@ prebuilds it and prints where it lives.
 The native path is off, and callers use the PyTorch fallback, when `SPECULANT_NATIVE=0`, when
 the CPU lacks AVX2, FMA or F16C, or when the build fails (a warning says why).
 
-Kernel paths: the block-type linear kernels exist for AVX2 and for AVX-512 VNNI
-(`csrc/avx512/`, compiled apart with the AVX-512 flags so the rest of the library still runs on
-AVX2-only CPUs). The library picks the best path the CPU supports when it loads;
+Kernel paths: the block-type linear kernels and attention's inner loops exist for AVX2 and for
+AVX-512 VNNI (`csrc/avx512/`, compiled apart with the AVX-512 flags so the rest of the library
+still runs on AVX2-only CPUs). The library picks the best path the CPU supports when it loads;
 `SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni` forces one (a path the CPU lacks is an error that
 names it). All paths give bit-identical outputs. `kernel_path()` reports the active one.
 """

@@ -31,7 +31,8 @@ class PackedLinear:
                     scales fp16  [G, nb, 8]
         F32, F16    data   [G, in_features, 8] for each input feature, the 8 rows' weights
 
-    `x @ W.T` runs natively (csrc/linear.cpp: AVX2, activations quantized on the fly to int8 per
+    `x @ W.T` runs natively (csrc/linear.cpp: AVX2, or AVX-512 VNNI for the block types where
+    the CPU has it, with bit-identical results; activations quantized on the fly to int8 per
     row per block of 32 for the block types; batch-invariant: an output row is bit-identical
     whatever M is) when the weights are on the CPU and `native_available()`. Otherwise the
     PyTorch fallback dequantizes the weights per call, at most 16 MB of them at a time (the
