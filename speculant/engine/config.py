@@ -24,9 +24,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads; None = all cores
     max_num_seqs: int = 16  # sequences decoded together
     max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks are cut to fit)
-    # Tokens per forward while any sequence decodes: bounds the time a long prompt's chunk adds
-    # to every decoding sequence's next token (~1.5 ms per prompt token on 2 CPU cores).
-    max_step_tokens_decoding: int = 64
+    # Longest chunk of one prompt in a step while any sequence decodes: bounds the time a long
+    # prompt adds to every decoding sequence's next token (~1.5 ms per prompt token, 2 cores).
+    max_prefill_chunk_decoding: int = 64
     max_model_len: int | None = None  # None = the model's context length
     kv_cache_tokens: int = 32768  # KV capacity shared by all sequences
     # KV cache element type: float16 (llama.cpp's default too) or float32; auto = float32 with
@@ -50,7 +50,7 @@ class EngineConfig:
             self.kv_dtype = "float32" if self.dtype == "float32" else "float16"
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_step_tokens_decoding",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk_decoding",
                      "kv_cache_tokens", "block_size", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -52,16 +52,22 @@ class Detokenizer:
 
     def push(self, token_id: int) -> tuple[str, StopHit | None]:
         """Add one token: the text it completes ("" while a character is incomplete), and the
-        stop string it completes, if any (the returned text then ends before the stop)."""
+        stop string it completes, if any (`text` is then cut where the stop string begins)."""
         self.num_tokens += 1
         self._ids.append(token_id)
         piece = self._next_piece()
         if not piece:
             return "", None
         hit = self._find_stop(piece)
-        if hit is not None:
-            piece = piece[:max(0, hit.text_len - self.num_chars)]
+        if hit is None:
+            self._emit(piece)
+            return piece, None
+        # The text ends before the stop string, which may have begun in earlier pieces: callers
+        # that stream must hold back a tail that could start a stop string (the server does).
+        piece = piece[:max(0, hit.text_len - self.num_chars)]
         self._emit(piece)
+        self._pieces = [self.text[:hit.text_len]]
+        self.num_chars = hit.text_len
         return piece, hit
 
     def flush(self) -> str:

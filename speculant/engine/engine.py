@@ -58,6 +58,7 @@ class EngineStatus:
     block_size: int
     num_steps: int
     num_speculator_errors: int
+    num_preemptions: int  # sequences whose KV was dropped to make room (then recomputed)
 
 
 @dataclass(slots=True)
@@ -93,7 +94,7 @@ class Engine:
             KV_DTYPES[config.kv_dtype])
         self._check_cache_holds_context()
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_queue, config.max_step_tokens_decoding)
+                                   config.max_queue, config.max_prefill_chunk_decoding)
         self.eos_token_ids = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
         self._spec_ctx = ctx = SpeculatorContext(vocab_size=loaded.config.vocab_size,
                                 eos_token_ids=tuple(self.eos_token_ids),
@@ -246,7 +247,8 @@ class Engine:
             max_num_seqs=self.scheduler.max_num_seqs, running=list(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_blocks=cache.num_blocks,
             num_free_blocks=cache.num_free_blocks, block_size=cache.block_size,
-            num_steps=self.stats.num_steps, num_speculator_errors=self.stats.num_speculator_errors)
+            num_steps=self.stats.num_steps, num_speculator_errors=self.stats.num_speculator_errors,
+            num_preemptions=self.scheduler.num_preemptions)
 
     @property
     def speculator_names(self) -> list[str]:
@@ -281,11 +283,12 @@ class Engine:
             batch = build_forward_batch(self.cache, chunks, self.model.device,
                                         self._step_layers(step))
             out = self.model.forward(batch, self.cache)
-        except Exception as exc:  # a failed forward fails its sequences, never the engine
+        except Exception:  # a failed forward fails its sequences, never the engine
             log.exception("forward failed")
             seqs = [s for s, _ in step.prefill] + step.decode
             for seq in seqs:
-                self._finish(seq, "error", f"forward failed: {exc}")
+                self._finish(seq, "error", f"forward failed for request {seq.request_id}; "
+                             "details are in the server log")
             return [StepUpdate(s, [], True) for s in seqs]
         t2 = time.perf_counter()
         updates = self._commit(step, chunks, drafts, out, batch)
@@ -364,26 +367,43 @@ class Engine:
             committed.append(CommittedTokens(seq.seq_id, chunk.start_pos, chunk.token_ids))
             if chunk.num_logits == 0:  # a prompt chunk that is not the last one
                 self._advance_kv(seq, chunk.start_pos + len(chunk.token_ids))
+                if not seq.is_prefilling:  # recomputed after a preemption: next token known
+                    committed[-1].next_token_id = seq.token_ids[-1]
                 self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
                 continue
             draft = drafts.get(seq.seq_id)
-            result = self._verify(seq, logits[rows], argmax[rows] if argmax is not None else None,
-                                  draft)
-            # Keep the K/V of the inputs the target agreed with; the rest is rolled back.
-            num_kept = len(chunk.token_ids) if is_prefill else 1 + result.num_accepted
-            self._advance_kv(seq, chunk.start_pos + num_kept)
-            committed[-1].token_ids = chunk.token_ids[:num_kept]
-            committed[-1].next_token_id = result.token_ids[-1]
-            self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
-            if not is_prefill:
-                seq.spec.record_step()
-            if draft is not None:
-                seq.spec.record(draft.source, len(draft), result.num_accepted)
-                self.chain.accept(seq.seq_id, result.num_accepted)
-            updates.append(self._append(seq, result.token_ids))
+            try:
+                result = self._verify(seq, logits[rows], argmax[rows] if argmax is not None else None,
+                                      draft)
+                # Keep the K/V of the inputs the target agreed with; the rest is rolled back.
+                num_kept = len(chunk.token_ids) if is_prefill else 1 + result.num_accepted
+                self._advance_kv(seq, chunk.start_pos + num_kept)
+                committed[-1].token_ids = chunk.token_ids[:num_kept]
+                committed[-1].next_token_id = result.token_ids[-1]
+                self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
+                if not is_prefill:
+                    seq.spec.record_step()
+                if draft is not None:
+                    seq.spec.record(draft.source, len(draft), result.num_accepted)
+                    self.chain.accept(seq.seq_id, result.num_accepted)
+                updates.append(self._append(seq, result.token_ids))
+            except Exception:  # sampling, drafting or detokenization: only this request fails
+                updates.append(self._fail(seq))
         active = {s.seq_id for s in seqs if s.spec_types and not s.is_finished}
-        self.chain.process([c for c in committed if c.seq_id in active])
+        try:
+            self.chain.process([c for c in committed if c.seq_id in active])
+        except Exception:  # a faulty speculator costs speed, never correctness or the engine
+            log.exception("speculator failed to process committed tokens")
+            self.stats.num_speculator_errors += 1
         return updates
+
+    def _fail(self, seq: Sequence) -> StepUpdate:
+        """End one request on an error raised while handling it (call inside `except`): its
+        KV is freed, the others go on. The details go to the log, under its request id."""
+        log.exception("request %s failed", seq.request_id)
+        self._finish(seq, "error", f"request {seq.request_id} failed; details are in the "
+                     "server log")
+        return StepUpdate(seq, [], True)
 
     def _keep_features(self, seq: Sequence, committed: CommittedTokens,
                        hidden: dict[int, torch.Tensor], first_row: int) -> None:

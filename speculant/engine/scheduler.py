@@ -2,11 +2,11 @@
 preemption when the KV cache runs out.
 
 Token budget (chunked prefill, as vLLM's): decoding sequences come first (1 + draft tokens
-each), prompt chunks share what is left, shortest remaining prompt first, so a short request
-is never queued behind a long prompt. While any sequence decodes, a step holds at most
-`max_step_tokens_decoding` tokens (not `max_num_batched_tokens`): a long prompt's chunk then
-slows every decoding sequence's next token by a bounded amount. A prompt always gets at least
-`MIN_PREFILL_CHUNK` tokens, so decoders never starve it either.
+each), prompt chunks share what is left of `max_num_batched_tokens`, shortest remaining prompt
+first, so a short request is never queued behind a long prompt. While any sequence decodes, one
+prompt's chunk is at most `max_prefill_chunk_decoding` tokens (vLLM's long-prefill threshold): a
+long prompt then slows every decoding sequence's next token by a bounded amount. A prompt
+always gets at least `MIN_PREFILL_CHUNK` tokens, so decoders never starve it either.
 
 KV cache (optimistic admission, as vLLM's): a request is admitted when its prompt fits the
 free blocks, not the whole window its `max_tokens` might need. Every step reserves what each
@@ -46,11 +46,11 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, cache: KVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_queue: int, max_step_tokens_decoding: int | None = None):
+                 max_queue: int, max_prefill_chunk_decoding: int | None = None):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_step_tokens_decoding = max_step_tokens_decoding or max_num_batched_tokens
+        self.max_prefill_chunk_decoding = max_prefill_chunk_decoding or max_num_batched_tokens
         self.max_queue = max_queue
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
@@ -77,11 +77,12 @@ class Scheduler:
         # 2) admit waiting requests whose prompt fits the free blocks now
         self._admit(step)
         # 3) prompt chunks, shortest remaining first, within the step's token budget
-        cap = self.max_step_tokens_decoding if step.decode else self.max_num_batched_tokens
-        budget = max(cap - decode_tokens * len(step.decode), MIN_PREFILL_CHUNK)
+        budget = max(self.max_num_batched_tokens - decode_tokens * len(step.decode),
+                     MIN_PREFILL_CHUNK)
+        chunk = self.max_prefill_chunk_decoding if step.decode else budget
         for seq in sorted((s for s in self.running if s.is_prefilling),
                           key=lambda s: s.num_prefill - s.num_computed):
-            n = min(seq.num_prefill - seq.num_computed, budget, self._room(seq))
+            n = min(seq.num_prefill - seq.num_computed, budget, chunk, self._room(seq))
             if n > 0:
                 self.cache.reserve(seq.seq_id, seq.num_computed + n)
                 step.prefill.append((seq, n))
@@ -126,16 +127,25 @@ class Scheduler:
         step.preempted.append(seq)
 
     def _admit(self, step: ScheduledStep) -> None:
+        # Free blocks that running prompts will take before they finish are not free.
+        free = self.cache.num_free_blocks - sum(
+            self._blocks_to_finish_prompt(s) for s in self.running if s.is_prefilling)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq in step.preempted:  # not back in the step that took its blocks away
                 return
-            if self.cache.blocks_needed(seq.num_prefill + 1) > self.cache.num_free_blocks:
+            need = self.cache.blocks_needed(seq.num_prefill + 1)
+            if need > free:
                 return
+            free -= need
             self.waiting.popleft()
             self.cache.allocate(seq.seq_id)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+
+    def _blocks_to_finish_prompt(self, seq: Sequence) -> int:
+        have = len(self.cache.block_table(seq.seq_id))
+        return max(0, self.cache.blocks_needed(seq.num_prefill + 1) - have)
 
     def finish(self, seq: Sequence) -> None:
         """Release a sequence (finished, aborted or failed) and everything it held."""

@@ -36,17 +36,38 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(files.bos_token) if files.bos_token else None
         self.eos_token_id = self._tok.token_to_id(files.eos_token) if files.eos_token else None
         self._template = None
+        self._plain = None  # a twin that reads control-token text as plain text, made on use
 
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """Texts of the control tokens (`<|im_end|>`, ...) that `encode` turns into their ids."""
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values() if t.special)
+
+    def encode(self, text: str, add_special_tokens: bool = True,
+               parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. `parse_special=False` encodes control-token text as plain text
+        (user content can then never become a control token). The batch entry point releases
+        the GIL while it works (plain `encode` holds it: a long text would stall every other
+        Python thread, the server's event loop and engine included)."""
+        tok = self._tok if parse_special else self._plain_tokenizer()
+        ids = tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id] + ids
         return ids
+
+    def _plain_tokenizer(self):
+        if self._plain is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

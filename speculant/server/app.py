@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -19,15 +19,17 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speculant.engine.config import EngineConfig
+from speculant.server.config import ServerConfig
 from speculant.server.engine_loop import EngineLoop
 from speculant.server.errors import ApiError, validation_error
 from speculant.server.metrics import ServerMetrics
+from speculant.server.middleware import ApiKey, BoundedBody, StatusCounter
+from speculant.server.openapi import document_errors
 from speculant.server.routes import add_routes
 
 log = logging.getLogger("speculant.server")
 
 DEFAULT_MODEL_NAME = "default"  # always accepted in a request's `model`
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class ServerState:
     model_id: str
     max_model_len: int
     speculators: tuple[str, ...]  # loaded in the engine's chain
+    config: ServerConfig = field(default_factory=ServerConfig)
     model_names: frozenset[str] = frozenset()
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -51,14 +54,16 @@ class ServerState:
 
 
 def create_app(engine_or_config, api_key: str | None = None, model_id: str | None = None,
-               max_queue: int | None = None) -> FastAPI:
+               max_queue: int | None = None, config: ServerConfig | None = None) -> FastAPI:
     """An app serving `engine_or_config` (an `Engine`, or an `EngineConfig` to build one).
 
     `api_key`: when set, every path but `/health` needs `Authorization: Bearer <api_key>`.
     `model_id`: the name `/v1/models` reports (default: the model file or folder name).
     `max_queue`: requests that may wait for a slot before new ones get 429 (default: the
     engine's `max_queue`).
+    `config`: request limits and prompt handling (default: `ServerConfig()`).
     """
+    config = config or ServerConfig()
     engine = engine_or_config
     if isinstance(engine_or_config, EngineConfig):
         from speculant.engine.engine import Engine
@@ -72,7 +77,7 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
         loop=EngineLoop(engine, on_finish=metrics.observe_finished),
         metrics=metrics,
         tokenizer=engine.tokenizer, model_id=model_id, max_model_len=engine.max_model_len,
-        speculators=tuple(engine.speculator_names),
+        speculators=tuple(engine.speculator_names), config=config,
         model_names=frozenset({model_id, DEFAULT_MODEL_NAME, engine.config.model}))
 
     @asynccontextmanager
@@ -90,35 +95,21 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
     app = FastAPI(title="speculant", description="OpenAI-compatible speculative decoding server",
                   lifespan=lifespan)
     app.state.server = state
+    # The last added runs first: count every status, check the key, then read the body.
+    app.add_middleware(BoundedBody, max_bytes=config.max_body_bytes,
+                       timeout_s=config.body_timeout_s)
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKey, api_key=api_key)
+    app.add_middleware(StatusCounter, metrics=metrics)
     _add_error_handlers(app)
     add_routes(app)
+    document_errors(app, with_auth=bool(api_key))
     return app
 
 
 def _model_id(model_path: str) -> str:
     name = os.path.basename(os.path.normpath(model_path))
     return name.removesuffix(".gguf") or DEFAULT_MODEL_NAME
-
-
-class ApiKeyMiddleware:
-    """Refuses (401) any request to a path outside `OPEN_PATHS` without the bearer key."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self._expected):
-                error = ApiError(401, "missing or invalid API key: send 'Authorization: Bearer "
-                                 "<key>'", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
-                await error.response()(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -136,10 +127,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         return ApiError(exc.status_code, message, type=kind,
                         headers=getattr(exc, "headers", None)).response()
 
-    async def server_error(_request: Request, exc: Exception):
-        log.error("unhandled error", exc_info=exc)
-        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}",
-                        type="server_error").response()
+    async def server_error(request: Request, exc: Exception):
+        # Details go to the log under an id the client gets; the client gets nothing else.
+        # (This handler runs outside the middleware that counts statuses: count here.)
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        log.error("unhandled error %s on %s %s", error_id, request.method, request.url.path,
+                  exc_info=exc)
+        request.app.state.server.metrics.errors.labels("500").inc()
+        return ApiError(500, f"internal server error (request id {error_id}; details are in "
+                        "the server log)", type="server_error", code=error_id).response()
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, invalid_request)

@@ -42,6 +42,7 @@ class Rejected:
 @dataclass(slots=True, frozen=True)
 class Progress:
     token_ids: list[int]  # tokens appended by the last step
+    text: str  # the text they completed (decoded incrementally on the engine thread)
 
 
 @dataclass(slots=True, frozen=True)
@@ -211,9 +212,9 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             updates = self.engine.step()
-        except Exception as exc:  # the engine contains forward failures; anything else is a bug
+        except Exception:  # the engine contains request failures; anything else is a bug
             log.exception("engine step failed")
-            self._fail_all(f"engine step failed: {exc}")
+            self._fail_all("engine step failed; details are in the server log")
             return
         for update in updates:
             seq = update.seq
@@ -222,13 +223,19 @@ class EngineLoop:
             elif update.new_token_ids:
                 entry = self._handles.get(seq.request_id)
                 if entry is not None and entry[0].stream:
-                    _post(entry[0], Progress(list(update.new_token_ids)))
+                    _post(entry[0], Progress(list(update.new_token_ids), update.new_text))
 
     def _finish(self, seq, reason: str | None = None, error: str | None = None) -> None:
         entry = self._handles.pop(seq.request_id, None)
         if entry is not None:
+            try:
+                text = self.engine.output_text(seq)
+            except Exception:  # a detokenization failure fails this request only
+                log.exception("request %s: output text failed", seq.request_id)
+                text, reason = "", "error"
+                error = f"request {seq.request_id} failed; details are in the server log"
             _post(entry[0], Finished(
-                text=self.engine.output_text(seq), finish_reason=reason or seq.finish_reason,
+                text=text, finish_reason=reason or seq.finish_reason,
                 error=error or seq.error, num_prompt=seq.num_prompt,
                 num_generated=seq.num_generated, timings=request_timings(seq)))
         if self.on_finish is not None:

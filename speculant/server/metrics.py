@@ -28,6 +28,7 @@ def engine_snapshot(engine) -> dict:
         "num_free_blocks": status.num_free_blocks,
         "num_steps": status.num_steps,
         "num_speculator_errors": status.num_speculator_errors,
+        "num_preemptions": status.num_preemptions,
         "speculators": {name: {
             "num_proposals": s.num_proposals,
             "num_drafts": s.num_drafts,
@@ -47,6 +48,9 @@ class ServerMetrics:
         self.rejected = Counter(P + "request_rejected", "Requests refused with a 4xx, by error "
                                 "code (queue_full, invalid_value, model_not_found, ...)",
                                 ["reason"], registry=r)
+        self.errors = Counter(P + "http_errors", "Responses with a 4xx or 5xx status, by status "
+                              "(401, 413, 400 from unparsable bodies included)", ["status"],
+                              registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
         self.generation_tokens = Counter(P + "generation_tokens",
@@ -100,6 +104,8 @@ class _EngineCollector:
         yield _counter("engine_steps", "Engine steps (batched forwards)", s["num_steps"])
         yield _counter("spec_decode_errors", "Draft rounds lost to a speculator error",
                        s["num_speculator_errors"])
+        yield _counter("num_preemptions", "Sequences whose KV cache was dropped to make room "
+                       "(recomputed later; their output is unchanged)", s["num_preemptions"])
         yield from _spec_counters(s["speculators"])
 
 

@@ -14,10 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from speculant.engine.sampling_params import VERIFY_MODES, SamplingParams, SpecParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 4
+# Sane numeric ranges: below these, sampling turns into noise (1e-300 divides logits into
+# infinities) rather than into a meaningful setting.
+MIN_TEMPERATURE = 1e-3  # 0 is greedy; anything in (0, MIN_TEMPERATURE) is refused
+MIN_REPEAT_PENALTY = 0.1
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-StopList = Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP_STRINGS)]
 
 # Field -> the only values accepted (the OpenAI default); anything else is refused by name.
 NEUTRAL_ONLY = {
@@ -70,13 +72,13 @@ class SamplingFields(StrictModel):
 
     model: str = "default"
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)  # 0, or >= MIN_TEMPERATURE
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # llama.cpp
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # llama.cpp
-    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)  # llama.cpp
+    repeat_penalty: float | None = Field(None, ge=MIN_REPEAT_PENALTY, le=10.0)  # llama.cpp
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: NonEmptyStr | StopList | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None  # count and length: ServerConfig
     ignore_eos: bool = False  # llama.cpp / vLLM
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -94,6 +96,13 @@ class SamplingFields(StrictModel):
         if not any(value == a and type(value) is type(a) for a in allowed):
             shown = " or ".join(repr(a) for a in allowed if a is not None)
             raise ValueError(f"only {shown} is supported (or omit the field)")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value):
+        if value is not None and 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         return value
 
     def max_tokens_for(self, num_prompt: int, max_model_len: int) -> int:
@@ -158,7 +167,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
 
     def max_tokens_for(self, num_prompt: int, max_model_len: int) -> int:
-        """Unset: whatever context is left (the request then reserves that much KV cache)."""
+        """Unset: whatever context is left (KV is taken as the output grows, not reserved:
+        the scheduler preempts and later recomputes the newest sequence if blocks run out)."""
         return self.max_completion_tokens or self.max_tokens or max(1, max_model_len - num_prompt)
 
 

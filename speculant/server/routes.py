@@ -1,19 +1,19 @@
 """The endpoints: OpenAI completions and chat completions (whole or streamed), models, health,
-slots and metrics. Handlers only await: tokenization runs in a worker thread, generation on the
-engine thread (`EngineLoop`)."""
+slots and metrics. Handlers only await: tokenization runs in a worker thread (`prompts`),
+generation and its detokenization on the engine thread (`EngineLoop`)."""
 from __future__ import annotations
 
 import asyncio
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from speculant.engine.scheduler import QueueFullError
 from speculant.server.engine_loop import EngineUnavailable, Finished, Progress, RequestHandle
 from speculant.server.errors import ApiError, error_body
 from speculant.server.metrics import engine_snapshot
+from speculant.server.prompts import check_body, encode_chat, encode_prompt
 from speculant.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from speculant.server.responses import ChatFormat, CompletionFormat, sse, stream_safe_end, usage
 
@@ -24,7 +24,7 @@ def add_routes(app: FastAPI) -> None:
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET", "HEAD"])
     app.add_api_route("/slots", slots, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
 
@@ -34,30 +34,20 @@ def add_routes(app: FastAPI) -> None:
 async def create_completion(body: CompletionRequest, request: Request):
     state = request.app.state.server
     state.check_model(body.model)
+    check_body(body, state.config)
     prompt = body.prompt
-    prompt_ids = prompt if isinstance(prompt, list) else await _encode(state, prompt, "prompt")
+    prompt_ids = prompt if isinstance(prompt, list) else await encode_prompt(
+        state.tokenizer, prompt, state.config)
     return await _generate(request, body, prompt_ids, CompletionFormat(state.model_id))
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = request.app.state.server
     state.check_model(body.model)
+    check_body(body, state.config)
     messages = [m.template_dict() for m in body.messages]
-    prompt_ids = await _encode(state, messages, "messages")
+    prompt_ids = await encode_chat(state.tokenizer, messages, state.config)
     return await _generate(request, body, prompt_ids, ChatFormat(state.model_id))
-
-
-async def _encode(state, prompt: str | list[dict], param: str) -> list[int]:
-    """Prompt text (or chat messages, through the chat template) -> token ids, off the loop."""
-    def work() -> list[int]:
-        text = prompt if isinstance(prompt, str) else state.tokenizer.apply_chat_template(prompt)
-        text.encode("utf-8")  # lone surrogates ("\ud800" in JSON) fail here with a clear message
-        return state.tokenizer.encode(text)
-
-    try:
-        return await asyncio.to_thread(work)
-    except (ValueError, TypeError, UnicodeError, TemplateError) as exc:
-        raise ApiError(400, f"{param}: {exc}", param=param) from exc
 
 
 async def _generate(request: Request, body: SamplingFields, prompt_ids: list[int], fmt):
@@ -73,7 +63,8 @@ async def _generate(request: Request, body: SamplingFields, prompt_ids: list[int
     if done is None:  # the client left; nobody will read this
         return Response(status_code=499)
     if done.finish_reason == "error":
-        raise ApiError(500, f"generation failed: {done.error}", type="server_error")
+        raise ApiError(500, f"generation failed: {done.error}", type="server_error",
+                       code=fmt.id)
     return JSONResponse(fmt.body(done.text, done.finish_reason,
                                  usage(done.num_prompt, done.num_generated), done.timings))
 
@@ -160,25 +151,29 @@ class _EventStream(StreamingResponse):
 
 
 async def _stream_events(state, handle: RequestHandle, body: SamplingFields, fmt):
-    """SSE chunks: text as it is generated, then a final chunk with usage and timings."""
+    """SSE chunks: text as it is generated, then a final chunk with usage and timings.
+
+    The engine thread sends each step's new text; only a tail that could begin a stop string
+    is held back here, so the work per event is bounded by the stop strings, not the output."""
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     for chunk in fmt.opening_chunks():
         yield sse(chunk)
-    token_ids: list[int] = []
-    sent = ""
-    while (done := await _collect(handle, token_ids)) is None:
-        text = state.tokenizer.decode(token_ids)
-        end = stream_safe_end(text, stops)
-        if end > len(sent) and text.startswith(sent):
-            yield sse(fmt.chunk(text[len(sent):end]))
-            sent = text[:end]
+    pieces: list[str] = []
+    held, num_sent = "", 0
+    while (done := await _collect(handle, pieces)) is None:
+        held += "".join(pieces)
+        pieces.clear()
+        end = stream_safe_end(held, stops)
+        if end:
+            yield sse(fmt.chunk(held[:end]))
+            held, num_sent = held[end:], num_sent + end
     handle.finished = True
     if done.finish_reason == "error":
-        yield sse(error_body(f"generation failed: {done.error}", "server_error"))
+        yield sse(error_body(f"generation failed: {done.error}", "server_error", code=fmt.id))
         yield sse("[DONE]")
         return
-    if done.text.startswith(sent) and len(done.text) > len(sent):
-        yield sse(fmt.chunk(done.text[len(sent):]))
+    if len(done.text) > num_sent:  # held text, and text the last step completed
+        yield sse(fmt.chunk(done.text[num_sent:]))
     use = usage(done.num_prompt, done.num_generated)
     yield sse(fmt.chunk("", done.finish_reason, usage=use, timings=done.timings))
     if body.stream_options is not None and body.stream_options.include_usage:
@@ -186,14 +181,14 @@ async def _stream_events(state, handle: RequestHandle, body: SamplingFields, fmt
     yield sse("[DONE]")
 
 
-async def _collect(handle: RequestHandle, token_ids: list[int]) -> Finished | None:
-    """Wait for events, then take every queued one (a slow client skips intermediate texts)."""
+async def _collect(handle: RequestHandle, pieces: list[str]) -> Finished | None:
+    """Wait for events, then take every queued one (a slow client gets fewer, longer chunks)."""
     event = await handle.events.get()
     while True:
         if isinstance(event, Finished):
             return event
         if isinstance(event, Progress):
-            token_ids.extend(event.token_ids)
+            pieces.append(event.text)
         if handle.events.empty():
             return None
         event = handle.events.get_nowait()
