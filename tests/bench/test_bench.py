@@ -294,10 +294,29 @@ def test_openai_peer(with_timings, source):
         (peer,) = run_openai_peer(url, {"qa": ["hello"]}, max_tokens=11, repeats=1, timeout_s=10)
     finally:
         server.shutdown()
+    mean_request_s = peer.detail.pop("mean_request_s")
     assert peer.detail == {"url": url, "model": "fake-model", "timings_source": source}
+    assert mean_request_s == pytest.approx(0.11, rel=0.5)
     assert peer.generated_tokens == 11 and peer.decode_tokens == [10]
     expected = 50.0 if with_timings else 100.0
     assert peer.decode_tok_s == pytest.approx(expected, rel=0.5)
+
+
+def test_openai_peer_at_concurrency():
+    """At c=4 four requests are in flight: all their tokens over the wall time they took."""
+    from speculant.bench.openai_peer import run_openai_peer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        one, four = run_openai_peer(url, {"qa": ["a", "b", "c", "d"]}, max_tokens=20, repeats=1,
+                                    timeout_s=10, levels=(1, 4))
+    finally:
+        server.shutdown()
+    assert four.name == one.name + " c=4" and four.detail["concurrency"] == 4
+    assert four.decode_tokens == [80]
+    assert four.decode_tok_s == pytest.approx(400.0, rel=0.5)  # 4 x 20 tokens in ~0.2 s
 
 
 # ---- the command, end to end -------------------------------------------------------------------
