@@ -54,12 +54,11 @@ class Runner:
 
     def __init__(self, model, num_blocks: int = 256, num_slots: int = 8, block_size: int = 16):
         self.model = model
-        self.kv = model.new_kv_cache(num_blocks, block_size)
-        self.states = model.new_state_cache(num_slots)
+        self.kv = model.new_kv_cache(num_blocks, block_size, num_state_slots=num_slots)
+        self.states = self.kv.states
 
     def add(self, seq_id: int) -> None:
-        self.kv.allocate(seq_id)
-        self.states.allocate(seq_id)
+        self.kv.allocate(seq_id)  # and its state slot
 
     def run(self, chunks: list[SeqChunk], keep_steps=frozenset()):
         """One forward; commits every chunk's tokens to the KV length. Returns the output."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from speculant.engine.kv_cache import KV_DTYPES
+from speculant.engine.state_checkpoint import CKPT_MODES
 from speculant.models.loader import DTYPES
 
 
@@ -39,6 +40,9 @@ class EngineConfig:
     spec_n_min: int = 0
     spec_p_min: float = 0.0
     spec_options: dict = field(default_factory=dict)  # speculator name -> its config overrides
+    # Hybrid (recurrent) models: how a round's rejected rows leave the recurrent state
+    # (engine/state_checkpoint.py): per_step snapshots, reeval (restore + re-run), or auto
+    spec_ckpt_mode: str = "auto"
     max_queue: int = 256  # waiting requests beyond the running ones
 
     def __post_init__(self) -> None:
@@ -64,6 +68,9 @@ class EngineConfig:
             raise ValueError(f"spec_n_min must be in [0, spec_n_max], got {self.spec_n_min}")
         if not 0.0 <= self.spec_p_min <= 1.0:
             raise ValueError(f"spec_p_min must be in [0, 1], got {self.spec_p_min}")
+        if self.spec_ckpt_mode not in ("auto", *CKPT_MODES):
+            raise ValueError(f"spec_ckpt_mode must be auto or one of {CKPT_MODES}, "
+                             f"got {self.spec_ckpt_mode!r}")
         if not isinstance(self.spec_options, dict) or not all(
                 isinstance(v, dict) for v in self.spec_options.values()):
             raise ValueError(f"spec_options must map speculator names to option dicts, "

@@ -24,11 +24,13 @@ from speculant.engine.detokenizer import Detokenizer
 from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES
 from speculant.models.loader import load_model
+from speculant.models.hybrid import hybrid_model
 from speculant.models.llama import Model
 from speculant.engine.sampler import Sampler
 from speculant.engine.sampling_params import SamplingParams
 from speculant.engine.scheduler import Scheduler
 from speculant.engine.sequence import Sequence
+from speculant.engine.state_rounds import StateRounds
 from speculant.speculators.base import (CommittedTokens, Draft, DraftParams, DraftRequest, Speculator,
                                         SpeculatorContext, SpeculatorStats, TargetView)
 from speculant.speculators.chain import SpeculatorChain
@@ -84,7 +86,9 @@ class Engine:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config.model, config.dtype)
         self.model_config = loaded.config
-        self.model = Model(loaded.config, loaded.weights, config.device)
+        self.model = (hybrid_model(loaded.config, loaded.weights, config.device)
+                      if loaded.config.is_hybrid
+                      else Model(loaded.config, loaded.weights, config.device))
         self.tokenizer = load_tokenizer(loaded.files)
         self.model_path = loaded.files.path
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
@@ -93,6 +97,10 @@ class Engine:
             -(-config.kv_cache_tokens // config.block_size), config.block_size,
             KV_DTYPES[config.kv_dtype])
         self._check_cache_holds_context()
+        # hybrid models: recurrent state rolled back after each speculative round
+        self.state_rounds = (StateRounds(self.model, self.cache, config.spec_ckpt_mode,
+                                         1 + config.spec_n_max, config.max_num_seqs)
+                             if loaded.config.is_hybrid else None)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_queue, config.max_prefill_chunk_decoding)
         self.eos_token_ids = {t for t in (self.tokenizer.eos_token_id,) if t is not None}
@@ -282,7 +290,8 @@ class Engine:
         try:
             batch = build_forward_batch(self.cache, chunks, self.model.device,
                                         self._step_layers(step))
-            out = self.model.forward(batch, self.cache)
+            out = (self.state_rounds.forward(batch, chunks, set(drafts))
+                   if self.state_rounds else self.model.forward(batch, self.cache))
         except Exception:  # a failed forward fails its sequences, never the engine
             log.exception("forward failed")
             seqs = [s for s, _ in step.prefill] + step.decode
@@ -292,6 +301,8 @@ class Engine:
             return [StepUpdate(s, [], True) for s in seqs]
         t2 = time.perf_counter()
         updates = self._commit(step, chunks, drafts, out, batch)
+        if self.state_rounds:
+            self.state_rounds.settle()
         t3 = time.perf_counter()
         self._account(step, batch.num_tokens, sum(len(u.new_token_ids) for u in updates),
                       t0, t1, t2, t3)

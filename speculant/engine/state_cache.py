@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speculant.engine.kv_cache import KVCache
+
 
 class StateCacheFullError(RuntimeError):
     """No free state slot; the caller should wait or refuse the request."""
@@ -85,9 +87,10 @@ class StateBatch:
 
 class StateCache:
     def __init__(self, layout: StateLayout, num_slots: int, dtype: torch.dtype = torch.float32,
-                 device="cpu"):
+                 device="cpu", grow: bool = False):
         if num_slots < 1:
             raise ValueError(f"state cache needs num_slots >= 1, got {num_slots}")
+        self.grow = grow  # when full, double the slots instead of refusing
         self.layout = layout
         self.num_slots = num_slots
         self.dtype = dtype
@@ -122,6 +125,8 @@ class StateCache:
     def allocate(self, seq_id: int) -> int:
         if seq_id in self._slots:
             raise ValueError(f"state cache: sequence {seq_id} is already allocated")
+        if not self._free_slots and self.grow:
+            self._double()
         if not self._free_slots:
             raise StateCacheFullError(f"state cache full: {self.num_slots} slots in use, "
                                       f"sequence {seq_id} has none")
@@ -134,6 +139,15 @@ class StateCache:
         slot = self._slots.pop(seq_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+
+    def _double(self) -> None:
+        # the engine may raise max_num_seqs at run time (`Engine.set_limits`)
+        n = self.num_slots
+        for tensors in (self.conv, self.recurrent):
+            for l, t in tensors.items():
+                tensors[l] = torch.cat([t, torch.empty_like(t)])
+        self._free_slots = list(range(2 * n - 1, n - 1, -1)) + self._free_slots
+        self.num_slots = 2 * n
 
     # ---- reading and writing a sequence's state ----------------------------------------------
 
@@ -158,3 +172,21 @@ class StateCache:
             raise ValueError(f"state cache: sequence {dup} has two chunks in one forward")
         return StateBatch(self, list(seq_ids), [self.slot(s) for s in seq_ids],
                           [s in keep_steps for s in seq_ids])
+
+
+class HybridCache(KVCache):
+    """The paged KV cache of a hybrid model's attention layers, carrying its state cache
+    (`states`): a sequence's state slot is allocated and freed with its KV, so admission,
+    preemption and finishing (all in terms of the KV cache) keep both in step."""
+
+    def __init__(self, *args, states: StateCache, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.states = states
+
+    def allocate(self, seq_id: int) -> None:
+        super().allocate(seq_id)
+        self.states.allocate(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        super().free(seq_id)
+        self.states.free(seq_id)

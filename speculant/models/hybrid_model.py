@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from speculant.engine.forward_batch import ForwardBatch
 from speculant.engine.kv_cache import KVCache
-from speculant.engine.state_cache import StateBatch, StateCache, StateLayout, StepStates
+from speculant.engine.state_cache import (HybridCache, StateBatch, StateCache, StateLayout,
+                                             StepStates)
+from speculant.kernels import PackedLinear
 from speculant.models.hybrid_config import HybridConfig
 from speculant.models.hybrid_layers import ForwardRun, rms_norm, rope_tables
 
@@ -44,9 +45,12 @@ class HybridModel:
         self.weights = weights  # HF name -> fp32 tensor, as loaded
         self.device = torch.device(device)
         self.layers = layers
-        self.embed = embed  # [vocab, hidden]
+        # [vocab, hidden] as fp32 PackedLinears: exact embedding rows, and the LM head drafters
+        # share through TargetView (one matrix when tied)
+        self.embed = PackedLinear.from_float(embed, "F32").to(self.device)
+        self.lm_head = (self.embed if lm_head is embed
+                        else PackedLinear.from_float(lm_head, "F32").to(self.device))
         self.final_norm = final_norm  # [hidden]
-        self.lm_head = lm_head  # [vocab, hidden] (the embedding itself when tied)
         self.path = "torch"
 
     @property
@@ -57,11 +61,12 @@ class HybridModel:
     # ---- caches ------------------------------------------------------------------------------
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16,
-                     dtype: torch.dtype = torch.float32) -> KVCache:
-        """A paged KV cache with one layer per *attention* layer (recurrent layers keep none)."""
+                     dtype: torch.dtype = torch.float32, num_state_slots: int = 16) -> HybridCache:
+        """A paged KV cache with one layer per *attention* layer (recurrent layers keep none),
+        carrying the state cache: a sequence's state slot comes and goes with its KV."""
         c = self.config
-        return KVCache(len(c.attention_layers), c.num_kv_heads, c.head_dim, num_blocks,
-                       block_size, dtype, self.device)
+        return HybridCache(len(c.attention_layers), c.num_kv_heads, c.head_dim, num_blocks,
+                           block_size, dtype, self.device, states=self.new_state_cache(num_state_slots))
 
     def state_layout(self) -> StateLayout:
         c = self.config
@@ -71,16 +76,17 @@ class HybridModel:
         return StateLayout(conv, recurrent)
 
     def new_state_cache(self, num_slots: int) -> StateCache:
-        return StateCache(self.state_layout(), num_slots, torch.float32, self.device)
+        return StateCache(self.state_layout(), num_slots, torch.float32, self.device, grow=True)
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids [T] int64 -> [T, hidden] float32."""
-        return self.embed[token_ids]
+        return self.embed.embed(token_ids)
 
     # ---- forward -----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: KVCache, states: StateBatch) -> HybridOutput:
+        """`states`: from `cache.states.batch(seq ids of the chunks, keep_steps)`."""
         c = self.config
         if len(states.slots) != len(batch.cu_num_tokens) - 1:
             raise ValueError(f"state batch has {len(states.slots)} chunks, the forward batch "
@@ -96,5 +102,5 @@ class HybridModel:
             if i in wanted:
                 hidden[i] = h
         x = rms_norm(h.index_select(0, batch.logits_indices), self.final_norm, c.rms_norm_eps)
-        return HybridOutput(F.linear(x, self.lm_head), hidden, run.steps)
+        return HybridOutput(self.lm_head(x), hidden, run.steps)
 

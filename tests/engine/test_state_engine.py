@@ -1,0 +1,107 @@
+"""Speculative decoding on hybrid models through the engine: greedy output equals plain
+decoding token for token in both checkpoint modes, with drafts rejected at many positions."""
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from hybrid_models import save_hf_model  # noqa: E402
+
+from speculant.engine.engine import Engine  # noqa: E402
+from speculant.engine.sampling_params import SamplingParams, SpecParams  # noqa: E402
+
+TOKENIZER_VOCAB = 49152  # the default model's tokenizer, copied into the test folders
+NUM_OUTPUT_TOKENS = 16
+SPEC = dict(spec_type=["ngram_mod", "suffix"], spec_options={"ngram_mod": {"n_match": 4}})
+
+
+@pytest.fixture(scope="module", params=["lfm2", "qwen3_next"])
+def folder(request, tmp_path_factory, default_tokenizer_dir):
+    path = tmp_path_factory.mktemp(request.param)
+    model = save_hf_model(path, request.param, hidden=128, seed=1, vocab_size=TOKENIZER_VOCAB)
+    with torch.no_grad():  # outputs confined to ~16 tokens: they repeat, so n-grams draft
+        model.lm_head.weight[NUM_OUTPUT_TOKENS:] = 0
+    model.save_pretrained(path)
+    for name in os.listdir(default_tokenizer_dir):
+        shutil.copy(os.path.join(default_tokenizer_dir, name), path)
+    return str(path)
+
+
+def engine(folder, **options) -> Engine:
+    defaults = dict(model=folder, dtype="float32", kv_cache_tokens=4096, max_num_seqs=8)
+    return Engine(**{**defaults, **options})
+
+
+def prompts(n: int) -> list[list[int]]:
+    """Repetitive token-id prompts: n-gram drafters find continuations, the random model
+    disagrees with many of them."""
+    return [([100 + i, 200, 300 + 7 * i, 400, 500] * 6)[: 20 + 3 * i] for i in range(n)]
+
+
+def generate(eng: Engine, batch: int, spec: bool, ignore_eos: bool = True) -> list[list[int]]:
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=ignore_eos,
+                            spec=SpecParams(enabled=spec))
+    return [s.token_ids[s.num_prompt:] for s in eng.run_to_completion(prompts(batch), params)]
+
+
+@pytest.mark.parametrize("mode", ["per_step", "reeval"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_plain(folder, mode, batch):
+    """ngram_mod,suffix drafts on a hybrid target: same tokens as plain decoding, with both
+    accepted and rejected draft tokens along the way."""
+    plain = generate(engine(folder), batch, spec=False)
+    eng = engine(folder, spec_ckpt_mode=mode, **SPEC)
+    assert eng.state_rounds.mode == mode
+    assert generate(eng, batch, spec=True) == plain
+    stats = {name: s for name, s in eng.speculator_stats().items()}
+    drafted = sum(s.num_draft_tokens for s in stats.values())
+    accepted = sum(s.num_accepted_tokens for s in stats.values())
+    assert 0 < accepted < drafted, (accepted, drafted)
+    if mode == "reeval":
+        assert eng.state_rounds.num_reruns > 0
+
+
+@pytest.mark.parametrize("mode", ["per_step", "reeval"])
+def test_sequences_stopping_mid_round_equal_plain(folder, mode):
+    """EOS honoured: sequences stop inside a round's accepted tokens, batch of 8."""
+    plain = generate(engine(folder), 8, spec=False, ignore_eos=False)
+    assert any(len(out) < 60 for out in plain)  # some stop at EOS, not at max_tokens
+    eng = engine(folder, spec_ckpt_mode=mode, **SPEC)
+    assert generate(eng, 8, spec=True, ignore_eos=False) == plain
+    assert eng.cache.states.num_free_slots == eng.cache.states.num_slots
+
+
+def test_state_slots_follow_the_kv_cache(folder):
+    """Finished sequences give their state slot back; slots grow past the initial count."""
+    eng = engine(folder, spec_type=["suffix"], max_num_seqs=20)
+    generate(eng, batch=1, spec=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.run_to_completion([[5, 6, 7]] * 20, params)
+    assert eng.cache.states.num_free_slots == eng.cache.states.num_slots > 16
+
+
+def test_unknown_checkpoint_mode_refused():
+    with pytest.raises(ValueError, match="spec_ckpt_mode must be auto or one of"):
+        Engine(model="default", spec_ckpt_mode="sometimes")
+
+
+@pytest.mark.parametrize("mode", ["per_step", "reeval"])
+def test_seeded_sampling_equals_plain(folder, mode):
+    """Temperature 0.8 with a seed (sample-and-match): the same tokens as plain decoding."""
+    def run(eng, spec):
+        params = SamplingParams(max_tokens=50, temperature=0.8, seed=123, ignore_eos=True,
+                                spec=SpecParams(enabled=spec))
+        return [s.token_ids[s.num_prompt:] for s in eng.run_to_completion(prompts(4), params)]
+
+    assert run(engine(folder, spec_ckpt_mode=mode, **SPEC), True) == run(engine(folder), False)
+
+
+def test_auto_mode_picks_by_the_memory_of_step_states(folder):
+    """LFM2's conv windows (2 KB a row here) fit beside the KV cache: per_step. Qwen3-Next's
+    DeltaNet states (58 KB a row, 17 rows x 8 sequences = 7.9 MB) do not: reeval."""
+    eng = engine(folder, **SPEC)
+    expected = {"lfm2": "per_step", "qwen3_next": "reeval"}[eng.model_config.architecture]
+    assert eng.state_rounds.mode == expected
