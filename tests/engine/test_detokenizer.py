@@ -89,3 +89,28 @@ def test_work_per_token_does_not_grow_with_the_output(tokenizer):
     first, last = sum(per_push[:1000]), sum(per_push[-1000:])
     assert abs(first - last) <= 0.2 * first
     assert detok.text == tokenizer.decode(ids)
+
+
+@pytest.mark.slow
+def test_engine_stream_of_4000_tokens_decodes_a_bounded_window_per_step(default_engine):
+    """End to end: a 4000-token generation with stop strings; the tokens the detokenizer
+    decodes per generated token are the same over the first and the last thousand."""
+    from speculant.engine.sampling_params import SamplingParams
+
+    engine = default_engine
+    params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True,
+                            stop=["NEVER-APPEARS", "also absent"])
+    seq = engine.add_request("Count from one to ten thousand: one, two, three,", params)
+    marks = []  # (tokens generated, tokens decoded so far)
+    while engine.has_unfinished():
+        engine.step()
+        marks.append((seq.num_generated, seq.detokenizer.num_decoded_tokens))
+    engine.release(seq)
+    assert seq.num_generated == 4000
+
+    def decoded_between(lo, hi):
+        at = lambda n: next(d for g, d in marks if g >= n)  # noqa: E731
+        return at(hi) - at(lo)
+
+    first, last = decoded_between(100, 1100), decoded_between(2900, 3900)
+    assert last <= 1.25 * first and last <= 40 * 1000  # not growing with the output

@@ -36,6 +36,7 @@ def test_preemption_keeps_every_output_equal_to_alone(small_engine, sampling):
     """Four chats without max_tokens run at once on a cache too small for all of them: the
     newest are preempted and recomputed, and every output equals its output alone."""
     engine = small_engine
+    assert engine.max_model_len == 256  # the context is capped to the cache (with a warning)
     prompts = [chat_ids(engine, q) for q in QUESTIONS]
     alone = [engine.run_to_completion([p], no_max_tokens(engine, p, **sampling))[0].output_ids
              for p in prompts]

@@ -657,13 +657,13 @@ def test_soak_32_clients_get_their_alone_outputs():
     """32 streaming clients x 3 rounds against 4 slots and a small KV cache (preemption on):
     every text equals the one it gets alone, no 5xx, and the KV cache is free at the end."""
     prompts = [f"Write one sentence about the number {i}." for i in range(SOAK_CLIENTS)]
-    with _serve("--parallel", "4", "--max-queue", "64", "--kv-cache-tokens", "512") as (url, _):
+    with _serve("--parallel", "4", "--max-queue", "64", "--kv-cache-tokens", "256") as (url, _):
         aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0,
                                      timeout=600)
 
         async def one(prompt: str) -> str:
             stream = await aclient.chat.completions.create(
-                model="default", messages=[{"role": "user", "content": prompt}], max_tokens=48,
+                model="default", messages=[{"role": "user", "content": prompt}], max_tokens=64,
                 stream=True, **GREEDY)
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
