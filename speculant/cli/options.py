@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None, help="draft model for --spec-type draft")
     s.add_argument("--spec-option", action="append", default=[], metavar="TYPE.KEY=VALUE",
                    help="speculator option, e.g. ngram_mod.n_match=16 (repeatable)")
+    s.add_argument("--spec-tune", action="store_true",
+                   help="tune the draft limit online from measured tokens/s (0 = plain decoding "
+                        "where speculation does not pay); requests with their own n_max are not tuned")
     s.add_argument("--spec-synth-rates", default=None, metavar="R1,R2,...",
                    help="synthetic acceptance per draft position (benchmarking; output invalid)")
 
@@ -70,7 +73,7 @@ def engine_options(args, max_num_seqs: int) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=max_num_seqs, spec_type=spec_type,
         spec_n_max=args.spec_n_max, spec_n_min=args.spec_n_min, spec_p_min=args.spec_p_min,
-        spec_options=spec_options,
+        spec_options=spec_options, spec_tune=args.spec_tune,
     )
 
 

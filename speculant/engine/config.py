@@ -44,6 +44,9 @@ class EngineConfig:
     # (engine/state_checkpoint.py): per_step snapshots, reeval (restore + re-run), or auto
     spec_ckpt_mode: str = "auto"
     max_queue: int = 256  # waiting requests beyond the running ones
+    # Online tuner of the draft limit from measured goodput (engine/tuner.py); requests that
+    # set their own n_max are not tuned.
+    spec_tune: bool = False
 
     def __post_init__(self) -> None:
         self.spec_type = parse_spec_types(self.spec_type)

@@ -36,6 +36,7 @@ from speculant.speculators.base import (CommittedTokens, Draft, DraftParams, Dra
 from speculant.speculators.chain import SpeculatorChain
 from speculant.speculators.factory import create_speculators
 from speculant.engine.step_cost import StepCostModel
+from speculant.engine.tuner import SpecTuner, TunerConfig
 from speculant.models.tokenizer import load_tokenizer
 from speculant.engine.verify import VerifyResult, verify_greedy, verify_match, verify_rejection
 
@@ -61,6 +62,7 @@ class EngineStatus:
     num_steps: int
     num_speculator_errors: int
     num_preemptions: int  # sequences whose KV was dropped to make room (then recomputed)
+    tuner: dict | None = None  # SpecTuner.summary() when the tuner runs
 
 
 @dataclass(slots=True)
@@ -112,6 +114,8 @@ class Engine:
                                     self.model.final_norm, self.model.lm_head))
         self.chain = SpeculatorChain(create_speculators(config, ctx))
         self.cost = StepCostModel()
+        self.tuner = SpecTuner(TunerConfig(), config.spec_n_max) if config.spec_tune else None
+        self._tuned_n_max: int | None = None  # the tuner's draft limit for the current step
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         self._by_request: dict[str, Sequence] = {}
@@ -194,9 +198,20 @@ class Engine:
             return tuple(self.chain.names)
         return self.chain.check_types(params.spec.types)
 
+    def _tuner_choice(self, step) -> int | None:
+        """The tuner's draft limit: a decode-only step is one pull of its bandit; steps with
+        prompt chunks use its best limit (their time says little about drafting)."""
+        if self.tuner is None or not step.decode:
+            return None
+        if step.prefill:
+            return self.tuner.best(len(step.decode))
+        return self.tuner.choose(len(step.decode))
+
     def _n_max(self, params: SamplingParams) -> int:
-        n = params.spec.n_max
-        return self.config.spec_n_max if n is None else n
+        """The request's own draft limit, else the tuner's for this step, else the engine's."""
+        if params.spec.n_max is not None:
+            return params.spec.n_max
+        return self.config.spec_n_max if self._tuned_n_max is None else self._tuned_n_max
 
     def abort(self, request_id: str) -> bool:
         seq = self._by_request.get(request_id)
@@ -218,6 +233,8 @@ class Engine:
         if speculators:
             self.chain = SpeculatorChain(create_speculators(self.config, self._spec_ctx))
             self.cost = StepCostModel()
+            if self.tuner is not None:
+                self.tuner = SpecTuner(self.tuner.config, self.config.spec_n_max)
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished request (its id can be reused)."""
@@ -256,7 +273,8 @@ class Engine:
             num_waiting=len(self.scheduler.waiting), num_blocks=cache.num_blocks,
             num_free_blocks=cache.num_free_blocks, block_size=cache.block_size,
             num_steps=self.stats.num_steps, num_speculator_errors=self.stats.num_speculator_errors,
-            num_preemptions=self.scheduler.num_preemptions)
+            num_preemptions=self.scheduler.num_preemptions,
+            tuner=None if self.tuner is None else self.tuner.summary())
 
     @property
     def speculator_names(self) -> list[str]:
@@ -283,6 +301,7 @@ class Engine:
             decode_tokens=1 + (self.config.spec_n_max if self.chain.names else 0))
         if step.empty:
             return []
+        self._tuned_n_max = self._tuner_choice(step)
         drafts = self._propose(step.decode)
         t1 = time.perf_counter()
         chunks = [self._prefill_chunk(seq, n) for seq, n in step.prefill]
@@ -516,6 +535,13 @@ class Engine:
             s.decode_time_s += t3 - t0
             s.decode_tokens += num_new
             self.cost.observe(num_tokens, t3 - t1)
+            if self.tuner is not None:
+                self.tuner.observe(len(step.decode), num_new, self._tuner_seconds(num_tokens, t3 - t0))
+
+    def _tuner_seconds(self, num_tokens: int, measured_s: float) -> float:
+        """What the tuner scores a decode step by: its measured time (drafting, forward and
+        verification). Tests substitute a cost model to make convergence deterministic."""
+        return measured_s
 
     # ---- outputs -----------------------------------------------------------------------------
 

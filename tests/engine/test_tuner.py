@@ -1,0 +1,103 @@
+"""The online tuner: a bandit over draft limits scored by measured goodput."""
+import pytest
+
+from conftest import TEST_THREADS
+from speculant.engine.engine import Engine
+from speculant.engine.sampling_params import SamplingParams, SpecParams
+from speculant.engine.tuner import SpecTuner, TunerConfig, concurrency_bucket
+
+
+def run_bandit(tuner, goodput_of, steps, num_decoding=1):
+    """Drive the tuner with a deterministic goodput per draft limit; returns the choices."""
+    choices = []
+    for _ in range(steps):
+        n = tuner.choose(num_decoding)
+        choices.append(n)
+        tuner.observe(num_decoding, int(goodput_of(n)), 1.0)
+    return choices
+
+
+def test_converges_to_plain_when_drafting_never_pays():
+    """Goodput falls with the draft limit: after the measuring phase plain decoding wins, with
+    only the periodic neighbour probe left."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    choices = run_bandit(tuner, lambda n: 100 - 3 * n, steps=200)
+    assert tuner.best(1) == 0
+    tail = choices[-100:]
+    assert tail.count(0) >= 95  # the rest: re-measuring the others, rarer and rarer
+
+
+def test_converges_to_long_drafts_when_they_pay():
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    run_bandit(tuner, lambda n: 100 + 10 * n, steps=200)
+    assert tuner.best(1) == 16
+
+
+def test_follows_a_workload_that_changes():
+    """Smoothed goodput and neighbour probes move the choice when the best limit changes."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    run_bandit(tuner, lambda n: 100 + 10 * n, steps=150)
+    run_bandit(tuner, lambda n: 100 - 3 * n, steps=600)
+    assert tuner.best(1) <= 1
+
+
+def test_buckets_are_tuned_apart_and_grid_respects_the_engine_limit():
+    tuner = SpecTuner(TunerConfig(grid=(0, 2, 8, 32)), max_n=8)
+    assert tuner.grid == (0, 2, 8)
+    run_bandit(tuner, lambda n: 100 + n, steps=60, num_decoding=1)
+    run_bandit(tuner, lambda n: 100 - n, steps=60, num_decoding=8)
+    assert (tuner.best(1), tuner.best(8)) == (8, 0)
+    assert concurrency_bucket(3) == 4 and concurrency_bucket(100) == 32
+    assert set(tuner.summary()) == {"1", "8"}
+
+
+@pytest.mark.parametrize("bad", [dict(grid=(-1, 2)), dict(min_pulls=0), dict(smoothing=0.0),
+                                 dict(explore_every=128), dict(margin=1.5)])
+def test_bad_config_is_refused(bad):
+    with pytest.raises(ValueError, match="tuner"):
+        TunerConfig(**bad)
+
+
+ROW_COST = 0.2  # a verified row's price as a fraction of a step (this CPU measures 0.2-0.3)
+
+
+def synthetic_engine(rate):
+    """An engine whose drafts are accepted at `rate`, and whose steps the tuner scores by a
+    cost model (1 + ROW_COST per extra row) instead of the clock: convergence is then a
+    property of the tuner and the drafts, not of this machine's load."""
+    engine = Engine(model="default", spec_type=["synthetic"], spec_tune=True, spec_n_max=16,
+                    spec_options={"synthetic": {"rates": [rate]}}, num_threads=TEST_THREADS,
+                    kv_cache_tokens=8192)
+    engine._tuner_seconds = lambda num_tokens, measured_s: 1.0 + ROW_COST * (num_tokens - 1)
+    return engine
+
+
+def test_engine_stops_drafting_on_synthetic_acceptance_zero():
+    """Acceptance 0: drafts only cost time; after a warm-up request the next one is decoded
+    with (almost) no draft tokens: at most the chain's periodic one-token probes."""
+    engine = synthetic_engine(0.0)
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    engine.run_to_completion(["Tell me a story."], params)
+    seq = engine.run_to_completion(["Tell me another story."], params)[0]
+    assert seq.spec.num_drafts <= seq.spec.num_steps // 16  # only re-measurement probes
+    assert engine.status().tuner["1"]["steps"] > 200
+
+
+def test_engine_tuner_picks_long_drafts_on_synthetic_acceptance_high():
+    """Acceptance 0.95: long drafts commit many tokens per step; the tuner settles on one."""
+    engine = synthetic_engine(0.95)
+    engine.run_to_completion(["Tell me a story."], SamplingParams(max_tokens=256, temperature=0.0,
+                                                                  ignore_eos=True))
+    assert engine.tuner.best(1) >= 4
+
+
+def test_tuned_outputs_equal_plain(default_engine):
+    """The tuner changes how much is drafted, never what is emitted."""
+    engine = Engine(model="default", spec_type=["ngram_mod", "suffix"], spec_tune=True,
+                    num_threads=TEST_THREADS, kv_cache_tokens=8192)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content":
+        "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the dog sat on the log."}])
+    plain = engine.run_to_completion([prompt], SamplingParams(max_tokens=64, temperature=0.0,
+                                                              spec=SpecParams(enabled=False)))
+    tuned = engine.run_to_completion([prompt], SamplingParams(max_tokens=64, temperature=0.0))
+    assert tuned[0].output_ids == plain[0].output_ids
