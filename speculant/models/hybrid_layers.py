@@ -4,7 +4,7 @@ Qwen3-Next's sparse MoE with a shared expert).
 
 A mixer is called as `mixer(x, run)`: x [T, hidden] the normed residual stream of the whole ragged
 batch, `run` what the forward shares (`ForwardRun`: the batch, the caches, RoPE rows, the state
-steps being kept). Stateful mixers walk the batch chunk by chunk, each chunk starting from its
+steps being kept); an MLP as `mlp(x)`. Stateful mixers walk the batch chunk by chunk, each chunk starting from its
 sequence's slot in the state cache and leaving its final state there.
 """
 from __future__ import annotations
@@ -187,7 +187,7 @@ class SwiGLU:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
         self.gate, self.up, self.down = gate, up, down  # [I, hidden], [I, hidden], [hidden, I]
 
-    def __call__(self, x: torch.Tensor, run: ForwardRun | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
 
 
@@ -200,7 +200,7 @@ class SparseMoe:
         self.router, self.experts, self.top_k, self.norm_topk = router, experts, top_k, norm_topk
         self.shared, self.shared_gate = shared, shared_gate  # [num_experts, hidden], [1, hidden]
 
-    def __call__(self, x: torch.Tensor, run: ForwardRun | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(F.linear(x, self.router), dim=-1)  # [T, num_experts]
         weights, chosen = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
