@@ -54,6 +54,7 @@ class Run:
     usage: object  # bench.timing.CpuUsage
     num_reruns: int
     row_cost: float | None = None  # engine's fitted cost of a verified row (speculative runs)
+    tuner: dict | None = None  # the tuner's state at the end of the run (--spec-tune)
 
     @property
     def decode_rate(self) -> float:
@@ -175,12 +176,14 @@ def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
         engine.reset_stats()
         t0 = time.perf_counter()
         seqs = engine.run_to_completion(texts, params)
-        return time.perf_counter() - t0, engine.stats, seqs, engine.cost.cost_per_token(level)
+        return (time.perf_counter() - t0, engine.stats, seqs, engine.cost.cost_per_token(level),
+                engine.status().tuner)
 
-    (wall, stats, seqs, row_cost), usage, reruns = run_with_reruns(
+    (wall, stats, seqs, row_cost, tuner), usage, reruns = run_with_reruns(
         once, threads, args.rerun_on_interference, label, args.interference_tolerance,
         warn=_progress_write)
-    return Run(wall, stats, seqs, usage, reruns, row_cost if types else None)
+    return Run(wall, stats, seqs, usage, reruns, row_cost if types else None,
+               tuner if types else None)
 
 
 def _result(name: str, category: str, level: int, runs: list[Run],
@@ -208,6 +211,7 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         own_cpu_util=round(statistics.median(r.usage.own_cpu_util for r in runs), 3),
         num_reruns=sum(r.num_reruns for r in runs),
         row_cost=None if chosen.row_cost is None else round(chosen.row_cost, 4),
+        tuner=chosen.tuner,
         token_ids=[[s.output_ids for s in r.seqs] for r in runs],
     )
 

@@ -46,6 +46,9 @@ Result: one method on one category at one concurrency
                         at this concurrency, from the engine's step-cost fit over the kept
                         repeat (null for plain: its steps all have one size, nothing to fit);
                         `--replay --replay-row-cost` takes the same quantity
+  tuner                 with --spec-tune (null otherwise, and for plain): per concurrency bucket
+                        the draft limit the tuner settled on (`n_max`, 0 = plain decoding), its
+                        decode steps, how often it switched speculation off, goodput per limit
 
 Category
   num_prompts
@@ -110,6 +113,7 @@ class RunResult:
     own_cpu_util: float = 0.0
     num_reruns: int = 0
     row_cost: float | None = None
+    tuner: dict | None = None
     token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
 
     def to_dict(self) -> dict:

@@ -29,6 +29,7 @@ def engine_snapshot(engine) -> dict:
         "num_steps": status.num_steps,
         "num_speculator_errors": status.num_speculator_errors,
         "num_preemptions": status.num_preemptions,
+        "tuner": status.tuner or {},
         "speculators": {name: {
             "num_proposals": s.num_proposals,
             "num_drafts": s.num_drafts,
@@ -107,6 +108,20 @@ class _EngineCollector:
         yield _counter("num_preemptions", "Sequences whose KV cache was dropped to make room "
                        "(recomputed later; their output is unchanged)", s["num_preemptions"])
         yield from _spec_counters(s["speculators"])
+        yield from _tuner_metrics(s.get("tuner") or {})
+
+
+def _tuner_metrics(tuner: dict):
+    """The online tuner's choice per concurrency bucket (--spec-tune)."""
+    n_max = GaugeMetricFamily(P + "spec_tuner_n_max", "Draft limit the tuner settled on "
+                              "(0 = plain decoding), by concurrency bucket", labels=["bucket"])
+    off = CounterMetricFamily(P + "spec_tuner_switches_off", "Times the tuner switched "
+                              "speculation off, by concurrency bucket", labels=["bucket"])
+    for bucket, state in tuner.items():
+        n_max.add_metric([bucket], state["n_max"])
+        off.add_metric([bucket], state["num_switches_off"])
+    yield n_max
+    yield off
 
 
 def _spec_counters(speculators: dict):
