@@ -104,16 +104,18 @@ class EngineReplica:
                  config.num_threads)
 
     async def handle(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes):
-        """The app's ASGI response messages for one request, as they come (a stream)."""
-        async for message in asgi_messages(self._app, method, path, headers, body, self._tasks):
-            yield message
+        """The app's ASGI response messages for one request, as they come (a stream of lists:
+        every message ready when the router asks, so a whole JSON answer is one Ray item)."""
+        async for batch in asgi_messages(self._app, method, path, headers, body, self._tasks):
+            yield batch
 
     async def get(self, path: str) -> tuple[int, bytes]:
         """(status, body) of a GET on the app (/health, /metrics, /slots, /v1/models)."""
         status, chunks = 500, []
-        async for message in asgi_messages(self._app, "GET", path, [], b"", self._tasks):
-            status = message.get("status", status)
-            chunks.append(message.get("body", b""))
+        async for batch in asgi_messages(self._app, "GET", path, [], b"", self._tasks):
+            for message in batch:
+                status = message.get("status", status)
+                chunks.append(message.get("body", b""))
         return status, b"".join(chunks)
 
     async def ping(self) -> dict:
@@ -156,7 +158,8 @@ class _Lifespan:
 
 async def asgi_messages(app, method: str, path: str, headers: list[tuple[str, str]],
                         body: bytes, tasks: set):
-    """Drive one HTTP request through `app` in process; yield its response messages.
+    """Drive one HTTP request through `app` in process; yield its response messages in lists
+    (all those ready at once: fewer, larger items to send to the router).
 
     Closing the generator early (the client left) tells the app the client disconnected, so it
     aborts the request and frees its KV cache as it does under uvicorn."""
@@ -182,12 +185,22 @@ async def asgi_messages(app, method: str, path: str, headers: list[tuple[str, st
     tasks.add(task)  # keeps the task alive until the app has finished, even after a disconnect
     task.add_done_callback(tasks.discard)
     try:
-        while (message := await sent.get()) is not None:
-            yield {k: v for k, v in message.items() if k in ("type", "status", "headers", "body",
-                                                               "more_body")}
+        done = False
+        while not done:
+            batch = [await sent.get()]
+            while not sent.empty():
+                batch.append(sent.get_nowait())
+            done = batch[-1] is None
+            if batch := [_plain(m) for m in batch if m is not None]:
+                yield batch
         await task
     finally:
         disconnected.set()
+
+
+def _plain(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k in ("type", "status", "headers", "body",
+                                                      "more_body")}
 
 
 def _http_scope(method: str, path: str, headers: list[tuple[str, str]]) -> dict:
@@ -262,8 +275,9 @@ class Router:
             self.metrics.routed(route)
             stream = self.handles[route.replica].options(stream=True).handle.remote(
                 request.method, request.url.path, headers, body)
+            messages = _flatten(stream)
             try:
-                start, first = await _opening(stream)
+                start, first = await _opening(messages)
             except REPLICA_DIED as exc:
                 self._lost(route.replica, "before_output", exc)
                 failed.append(route.replica)
@@ -272,24 +286,24 @@ class Router:
                 stream.cancel()
                 self.router.done(route.replica)
                 raise
-            return self._relay(route.replica, stream, start, first)
+            return self._relay(route.replica, stream, messages, start, first)
         raise ApiError(503, f"replicas {', '.join(failed)} failed before answering; "
                        "nothing was generated", type="server_error", code="replica_died")
 
-    def _relay(self, replica: str, stream, start: dict, first: dict) -> Response:
+    def _relay(self, replica: str, stream, messages, start: dict, first: dict) -> Response:
         headers = {k.decode(): v.decode() for k, v in start["headers"]
                    if k.lower() != b"content-length"}
         headers["x-speculant-replica"] = replica
         if not first.get("more_body", False):  # a whole (non-streamed) answer
             self.router.done(replica)
             return Response(first.get("body", b""), status_code=start["status"], headers=headers)
-        return StreamingResponse(self._rest(replica, stream, first), status_code=start["status"],
-                                 headers=headers)
+        return StreamingResponse(self._rest(replica, stream, messages, first),
+                                 status_code=start["status"], headers=headers)
 
-    async def _rest(self, replica: str, stream, first: dict):
+    async def _rest(self, replica: str, stream, messages, first: dict):
         try:
             yield first.get("body", b"")
-            async for message in stream:
+            async for message in messages:
                 if message.get("body"):
                     yield message["body"]
         except REPLICA_DIED as exc:
@@ -370,11 +384,18 @@ class Router:
         self.router.set_healthy(name, info["healthy"])
 
 
-async def _opening(stream) -> tuple[dict, dict]:
+async def _flatten(stream):
+    """A replica's batches of ASGI messages, one message at a time."""
+    async for batch in stream:
+        for message in batch:
+            yield message
+
+
+async def _opening(messages) -> tuple[dict, dict]:
     """The response start and its first body message (nothing has reached the client yet)."""
-    start = await stream.__anext__()
+    start = await messages.__anext__()
     first = {"type": "http.response.body", "body": b"", "more_body": False}
-    async for first in stream:
+    async for first in messages:
         break
     return start, first
 

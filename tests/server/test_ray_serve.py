@@ -190,8 +190,8 @@ def test_killed_replica_restarts_and_the_other_finishes(ray_url):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(_stream, ray_url, "/v1/completions", body, {"X-Session-Id": n})
                    for n in ("kill-a", "kill-b")]
-        time.sleep(1.0)
-        victim = _busy_replica(ray_url)
+        victim = _both_busy(ray_url)
+        time.sleep(0.5)  # both streams have started: the victim's cannot be retried elsewhere
         os.kill(pids[victim], signal.SIGKILL)
         outs = [f.result(timeout=120) for f in futures]
     by_replica = {o["replica"]: o for o in outs}
@@ -209,10 +209,13 @@ def test_killed_replica_restarts_and_the_other_finishes(ray_url):
     assert again["finish_reason"] == "length"
 
 
-def _busy_replica(url: str) -> str:
-    """A replica with a request in flight (both have one here)."""
-    replicas = httpx.get(url + "/health").json()["replicas"]
-    return next(n for n in REPLICAS if replicas[n]["in_flight"])
+def _both_busy(url: str, timeout_s: float = 30.0) -> str:
+    """Once every replica has a request in flight: the first replica's name."""
+    deadline = time.monotonic() + timeout_s
+    while not all(r["in_flight"] for r in httpx.get(url + "/health").json()["replicas"].values()):
+        assert time.monotonic() < deadline, "the two streams were not both routed"
+        time.sleep(0.05)
+    return REPLICAS[0]
 
 
 def test_threads_share_the_cores_unless_set():
