@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--long-tokens", type=int, default=8000)
     p.add_argument("--short-tokens", type=int, default=16)
     p.add_argument("--max-prefill-chunk-decoding", type=int,
-                   default=EngineConfig.max_prefill_chunk_decoding)
+                   default=EngineConfig().max_prefill_chunk_decoding)
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     engine = Engine(EngineConfig(max_num_seqs=4, num_threads=args.threads,
