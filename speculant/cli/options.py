@@ -12,6 +12,7 @@ import dataclasses
 from speculant.engine.config import EngineConfig, parse_spec_types
 from speculant.engine.kv_cache import KV_DTYPES
 from speculant.engine.sampling_params import VERIFY_MODES, SamplingParams, SpecParams
+from speculant.engine.state_checkpoint import CKPT_MODES
 from speculant.models.loader import DTYPES
 
 
@@ -47,11 +48,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-model", default=None, help="draft model for --spec-type draft")
     s.add_argument("--spec-option", action="append", default=[], metavar="TYPE.KEY=VALUE",
                    help="speculator option, e.g. ngram_mod.n_match=16 (repeatable)")
+    s.add_argument("--spec-params", default=None, metavar="FILE",
+                   help="draft limits found by `speculant tune` for this --spec-type (flags given "
+                        "explicitly win)")
     s.add_argument("--spec-tune", action="store_true",
                    help="tune the draft limit online from measured tokens/s (0 = plain decoding "
                         "where speculation does not pay); requests with their own n_max are not tuned")
     s.add_argument("--spec-synth-rates", default=None, metavar="R1,R2,...",
                    help="synthetic acceptance per draft position (benchmarking; output invalid)")
+    s.add_argument("--spec-ckpt-mode", default=d("spec_ckpt_mode"),
+                   choices=["auto", *CKPT_MODES],
+                   help="hybrid models: per_step state snapshots, or reeval (restore + re-run)")
 
 
 def engine_options(args, max_num_seqs: int) -> dict:
@@ -67,14 +74,33 @@ def engine_options(args, max_num_seqs: int) -> dict:
         spec_options.setdefault("synthetic", {})["rates"] = parse_rates(args.spec_synth_rates)
         if "synthetic" not in spec_type:
             spec_type.append("synthetic")
+    n_max, p_min = tuned_limits(args, spec_type)
     return dict(
         dtype=args.dtype, num_threads=args.threads, max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens, kv_dtype=args.kv_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=max_num_seqs, spec_type=spec_type,
-        spec_n_max=args.spec_n_max, spec_n_min=args.spec_n_min, spec_p_min=args.spec_p_min,
-        spec_options=spec_options, spec_tune=args.spec_tune,
+        spec_n_max=n_max, spec_n_min=args.spec_n_min, spec_p_min=p_min,
+        spec_options=spec_options, spec_tune=args.spec_tune, spec_ckpt_mode=args.spec_ckpt_mode,
     )
+
+
+def tuned_limits(args, spec_type: list[str]) -> tuple[int, float]:
+    """(n_max, p_min): the flags, or what `--spec-params FILE` holds for this chain where the
+    flags were left at their defaults."""
+    n_max, p_min = args.spec_n_max, args.spec_p_min
+    if not getattr(args, "spec_params", None) or not spec_type:
+        return n_max, p_min
+    from speculant.engine.spec_params import read_spec_params, setting_for
+
+    setting = setting_for(read_spec_params(args.spec_params), spec_type)
+    if setting is None:
+        return n_max, p_min
+    if n_max == config_default(EngineConfig, "spec_n_max"):
+        n_max = setting.spec_n_max
+    if p_min == config_default(EngineConfig, "spec_p_min"):
+        p_min = setting.spec_p_min
+    return n_max, p_min
 
 
 def parse_rates(text: str) -> list[float]:
