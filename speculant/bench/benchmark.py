@@ -124,6 +124,12 @@ def _params(args, types: list[str], max_tokens: int | None = None):
     from speculant.engine.sampling_params import SamplingParams, SpecParams
 
     spec = SpecParams(enabled=bool(types), types=types or None, verify=args.verify)
+    if types and getattr(args, "spec_params", None):  # this chain's limits from `speculant tune`
+        from speculant.engine.spec_params import read_spec_params, setting_for
+
+        setting = setting_for(read_spec_params(args.spec_params), types)
+        if setting is not None:
+            spec.n_max, spec.p_min = setting.spec_n_max, setting.spec_p_min
     return SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=args.temperature,
                           seed=0, ignore_eos=args.ignore_eos, spec=spec)
 

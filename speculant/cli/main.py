@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     from speculant.cli.parity import add_parity_args
 
     add_parity_args(parity)
+
+    tune = sub.add_parser("tune", help="search draft limits on a prompt set; write --spec-params FILE")
+    from speculant.cli.tune import add_tune_args
+
+    add_tune_args(tune)
+    add_engine_args(tune)
     return parser
 
 
@@ -93,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
             from speculant.bench.benchmark import run_bench
 
             return run_bench(args)
+        if args.command == "tune":
+            from speculant.cli.tune import run_tune
+
+            return run_tune(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"speculant: error: {exc}", file=sys.stderr)
         return 2
