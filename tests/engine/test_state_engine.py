@@ -1,5 +1,6 @@
-"""Speculative decoding on hybrid models through the engine: greedy output equals plain
-decoding token for token in both checkpoint modes, with drafts rejected at many positions."""
+"""Speculative decoding on hybrid models through the engine: output equals plain decoding
+token for token in both checkpoint modes (greedy and seeded; n-gram drafters, a draft model,
+eagle3 and mtp heads), with drafts rejected at many positions."""
 import os
 import shutil
 import sys
@@ -105,3 +106,30 @@ def test_auto_mode_picks_by_the_memory_of_step_states(folder):
     eng = engine(folder, **SPEC)
     expected = {"lfm2": "per_step", "qwen3_next": "reeval"}[eng.model_config.architecture]
     assert eng.state_rounds.mode == expected
+
+
+def model_drafter_options(kind: str, folder: str, tmp_path) -> dict:
+    """A draft model (the default SmolLM2: same tokenizer) or a random eagle3 / mtp head built
+    for this hybrid target (drafting from its captured hidden states)."""
+    if kind == "draft":
+        return {"model": "default"}
+    from speculant.models.eagle3_head import Eagle3Head
+    from speculant.models.loader import load_model
+    from speculant.models.mtp_head import MtpHead
+
+    target = load_model(folder).config
+    head = (Eagle3Head.random(target, torch.arange(0, 64), seed=1, aux_layer_ids=(1, 2, 3))
+            if kind == "eagle3" else MtpHead.random(target, seed=1))
+    head.save(str(tmp_path), dtype=torch.float32)
+    return {"head": str(tmp_path), "kv_dtype": "float32"}
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3", "mtp"])
+@pytest.mark.parametrize("mode", ["per_step", "reeval"])
+def test_model_drafters_on_a_hybrid_target_equal_plain(folder, kind, mode, tmp_path):
+    """Model drafters (mostly rejected here: random target) leave the output unchanged."""
+    plain = generate(engine(folder), 4, spec=False)
+    eng = engine(folder, spec_type=[kind], spec_ckpt_mode=mode,
+                 spec_options={kind: model_drafter_options(kind, folder, tmp_path)})
+    assert generate(eng, 4, spec=True) == plain
+    assert eng.speculator_stats()[kind].num_draft_tokens > 0
