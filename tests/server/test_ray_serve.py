@@ -233,3 +233,83 @@ def test_build_app_takes_config_field_names():
     assert build_app({"replicas": "2", "spec_type": "suffix", "max_prompt_tokens": "512"})
     with pytest.raises(ValueError, match="unknown build_app arguments: \\['bogus'\\]"):
         build_app({"bogus": "1"})
+
+
+# ---- the router alone, with fake replica handles (no Ray instance) -----------------------------
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _FakeReplica:
+    """A replica handle: answers one JSON body, or dies (ActorDiedError) before answering."""
+
+    def __init__(self, dead: bool):
+        self.dead, self.calls = dead, 0
+        self.handle = _Remote(self._handle)
+        self.ping = _Remote(self._ping)
+
+    def options(self, stream: bool = False):
+        return self
+
+    def _handle(self, *args):
+        self.calls += 1
+        return _FakeStream(self.dead)
+
+    async def _ping(self):
+        return {"healthy": True, "pid": 1}
+
+
+class _FakeStream:
+    def __init__(self, dead: bool):
+        self.dead, self.sent = dead, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from ray.exceptions import ActorDiedError
+
+        if self.dead:
+            raise ActorDiedError()
+        if self.sent:
+            raise StopAsyncIteration
+        self.sent = True
+        return [{"type": "http.response.start", "status": 200, "headers": []},
+                {"type": "http.response.body", "body": b'{"ok": true}', "more_body": False}]
+
+    def cancel(self):
+        pass
+
+
+def test_request_retried_when_its_replica_dies_before_answering():
+    """Nothing reached the client: the request runs on the other replica; the dead one is down."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from speculant.server.ray_serve import Router, ScaleOutConfig
+
+    async def run():
+        cls = Router.func_or_class
+        router = cls.__new__(cls)
+        dead, alive = _FakeReplica(dead=True), _FakeReplica(dead=False)
+        await router.__init__(ScaleOutConfig(health_period_s=60), dead, alive)
+        router._health_task.cancel()  # both count as healthy: the first request goes to `dead`
+        body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+                 "query_string": b""}
+        response = await router(Request(scope, receive))
+        return router, response, dead, alive
+
+    router, response, dead, alive = asyncio.run(run())
+    assert response.status_code == 200 and response.body == b'{"ok": true}'
+    assert response.headers["x-speculant-replica"] == REPLICAS[1]
+    assert (dead.calls, alive.calls) == (1, 1)
+    assert not router.router.is_healthy(REPLICAS[0])
+    assert 'stage="before_output"} 1.0' in router.metrics.render()
