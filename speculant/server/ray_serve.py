@@ -254,8 +254,8 @@ class Router:
             return await self._metrics()
         if method == "GET" and path == "/slots":
             return await self._slots()
-        if method == "GET" and path == "/v1/models":
-            status, body = await self._get_any("/v1/models")
+        if method == "GET" and path in ("/v1/models", "/openapi.json"):
+            status, body = await self._get_any(path)
             return Response(body, status_code=status, media_type="application/json")
         raise ApiError(404, f"Not Found: {method} {path}", type="invalid_request_error")
 
