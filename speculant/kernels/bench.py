@@ -1,11 +1,12 @@
 """Micro-benchmark of the kernels at SmolLM2-135M's shapes: µs per call (median).
 
     python -m speculant.kernels.bench [--ms 1,4,8,16] [--budget 0.1] [--threads N]
-                                      [--paths avx2,avx512_vnni]
+                                      [--paths avx2,avx512_vnni] [--context 128]
+                                      [--kv_dtype float32]
 
 For each weight matrix: the native kernel at every M (on the active kernel path, and on each
 of `--paths` as `<path>_m<M>`), the PyTorch fallback at M=1, and fp32 `F.linear` (MKL) on the
-dequantized weight for reference; then paged attention over a 128-token context. The last stdout
+dequantized weight for reference; then paged attention over a `--context`-token cache. The last stdout
 line is one JSON object with every number, the CPU model and the active kernel path.
 """
 from __future__ import annotations
@@ -39,13 +40,16 @@ class BenchConfig:
     budget: float = 0.1  # seconds of timed calls per cell
     threads: int = 0  # torch.set_num_threads; 0 keeps torch's default
     context: int = 128  # attention: KV positions before the query tokens
-    paths: str = ""  # kernel paths to time the linear kernels on as well (comma-separated)
+    paths: str = ""  # kernel paths to time the kernels on as well (comma-separated)
+    kv_dtype: str = "float32"  # attention: the KV cache's dtype (float32 or float16)
 
     def __post_init__(self):
         if not self.row_counts or min(self.row_counts) < 1:
             raise ValueError(f"--ms must list positive row counts, got {self.ms!r}")
         if self.budget <= 0:
             raise ValueError(f"--budget must be positive, got {self.budget}")
+        if self.kv_dtype not in ("float32", "float16"):
+            raise ValueError(f"--kv_dtype must be float32 or float16, got {self.kv_dtype!r}")
 
     @property
     def row_counts(self) -> list[int]:
@@ -92,11 +96,12 @@ def bench_linear(cfg: BenchConfig) -> list[dict]:
 
 def bench_attention(cfg: BenchConfig) -> dict:
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    row = {"shape": f"attention ctx={cfg.context}"}
+    row = {"shape": f"attention ctx={cfg.context}", "kv_dtype": cfg.kv_dtype}
     for m in cfg.row_counts:
         length = cfg.context + m
         num_blocks = -(-length // block_size)
         k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
+        k_cache = k_cache.to(getattr(torch, cfg.kv_dtype))
         v_cache = torch.randn_like(k_cache)
         tables = torch.randperm(num_blocks, dtype=torch.int32)[None]  # [1, num_blocks]
         q = torch.randn(m, heads, head_dim)
@@ -105,6 +110,9 @@ def bench_attention(cfg: BenchConfig) -> dict:
         args = (q, k_cache, v_cache, tables, seq, pos, head_dim ** -0.5)
         if native_available():
             row[f"native_m{m}"] = median_us(lambda: paged_attention(*args), cfg.budget)
+        for path in cfg.kernel_paths:
+            with forced_kernel_path(path):
+                row[f"{path}_m{m}"] = median_us(lambda: paged_attention(*args), cfg.budget)
         row[f"fallback_m{m}"] = median_us(lambda: paged_attention(*args, native=False),
                                           cfg.budget)
     return row

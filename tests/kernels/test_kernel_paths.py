@@ -168,6 +168,21 @@ def test_wide_attention_matches_avx2_bitwise(cache_dtype, head_dim, num_tokens):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+def test_wide_attention_matches_avx2_on_a_prefill(cache_dtype):
+    """A 40-token prompt from position 0: every context length 1..40, so short partitions (all
+    scores possibly negative, padded to 8) and partial 16-position chunks."""
+    require_path("avx512_vnni")
+    g = torch.Generator().manual_seed(8)
+    k_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
+    v_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
+    tables = torch.randperm(8, generator=g).to(torch.int32)[None]
+    q = torch.randn(40, 9, 64, generator=g)
+    args = (q, k_cache, v_cache, tables, torch.zeros(40, dtype=torch.int32),
+            torch.arange(40, dtype=torch.int32), 0.125)
+    assert torch.equal(bits(attend_on("avx512_vnni", *args)), bits(attend_on("avx2", *args)))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 def test_attention_is_batch_invariant_on_each_path(cache_dtype, path):
     """On each path, every token's attention output is bit-identical alone and in the batch."""
     q, k_cache, v_cache, tables, seq, pos, scale = attention_batch(64, cache_dtype, 9)

@@ -250,11 +250,14 @@ float attention_softmax_avx512(float* s, int64_t L, float* max_out) {
   const int64_t L8 = (L + 7) / 8 * 8;
   const float neg_inf = -__builtin_inff();
   for (int64_t p = L; p < L8; ++p) s[p] = neg_inf;
-  const __mmask16 low8 = 0x00FF;  // a last chunk of 8 positions
-  __m512 vmax = _mm512_set1_ps(neg_inf);
+  // a last chunk of 8 positions, loaded with -inf in the upper lanes (neutral for the maximum,
+  // exp gives 0 there)
+  const __mmask16 low8 = 0x00FF;
+  const __m512 neg_infs = _mm512_set1_ps(neg_inf);
+  __m512 vmax = neg_infs;
   int64_t p = 0;
   for (; p + 16 <= L8; p += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + p));
-  if (p < L8) vmax = _mm512_max_ps(vmax, _mm512_maskz_loadu_ps(low8, s + p));
+  if (p < L8) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_infs, low8, s + p));
   *max_out = _mm512_reduce_max_ps(vmax);
   const __m512 m = _mm512_set1_ps(*max_out);
   __m256 vsum = _mm256_setzero_ps();
@@ -265,7 +268,7 @@ float attention_softmax_avx512(float* s, int64_t L, float* max_out) {
     vsum = _mm256_add_ps(vsum, upper_half(e));
   }
   if (p < L8) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(low8, s + p), m));
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_infs, low8, s + p), m));
     _mm512_mask_storeu_ps(s + p, low8, e);
     vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
   }
