@@ -244,3 +244,23 @@ def test_bad_environment_variable_fails_at_load():
     done = kernel_path_in_subprocess("avx512")
     assert done.returncode != 0
     assert "SPECULANT_KERNEL_PATH=avx512: unknown kernel path" in done.stderr
+
+
+def test_default_model_writes_the_same_text_on_every_path(default_engine):
+    """A mixed fleet produces the same text: the default model's greedy tokens for a batch of
+    prompts (a long summarization one among them) are identical on every path this CPU runs."""
+    from conftest import decode_all, dev_prompts
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
+
+    if len(supported_kernel_paths()) < 2:
+        pytest.skip("this CPU runs only one kernel path")
+    tokenizer = default_engine.tokenizer
+    texts = ["Why do cats purr?", "List three prime numbers."]
+    texts += [p.turns[0] for p in dev_prompts(["summarization"], 1)]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    params = SamplingParams(max_tokens=32, temperature=0.0, spec=SpecParams(enabled=False))
+    outputs = {}
+    for path in supported_kernel_paths():
+        with forced_kernel_path(path):
+            outputs[path] = [s.output_ids for s in decode_all(default_engine, prompts, params)]
+    assert all(ids == outputs["avx2"] for ids in outputs.values())
