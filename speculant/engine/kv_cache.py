@@ -36,6 +36,11 @@ class KVCache:
         self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}
         self._lengths: dict[int, int] = {}
+        # Blocks every sequence holds beyond its tokens, for memory that is not K/V but is
+        # budgeted like it (a hybrid model's recurrent state and its speculative checkpoints);
+        # taken at `allocate`, returned at `free`, counted by `admission_blocks`.
+        self.seq_overhead_blocks = 0
+        self._overhead: dict[int, list[int]] = {}
 
     # ---- accounting --------------------------------------------------------------------------
 
@@ -49,6 +54,15 @@ class KVCache:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def admission_blocks(self, num_tokens: int) -> int:
+        """Blocks a new sequence needs to hold `num_tokens`, its overhead included."""
+        return self.blocks_needed(num_tokens) + self.seq_overhead_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V one block holds, all layers."""
+        return sum(t[0].nbytes for t in (*self.k, *self.v))
 
     def length(self, seq_id: int) -> int:
         return self._lengths[self._check(seq_id)]
@@ -68,6 +82,10 @@ class KVCache:
     def allocate(self, seq_id: int) -> None:
         if seq_id in self._tables:
             raise ValueError(f"KV cache: sequence {seq_id} is already allocated")
+        if self.seq_overhead_blocks > len(self._free_blocks):
+            raise CacheFullError(f"KV cache full: sequence {seq_id} needs {self.seq_overhead_blocks} "
+                                 f"blocks for its state, {len(self._free_blocks)} free")
+        self._overhead[seq_id] = [self._free_blocks.pop() for _ in range(self.seq_overhead_blocks)]
         self._tables[seq_id] = []
         self._lengths[seq_id] = 0
 
@@ -108,6 +126,7 @@ class KVCache:
         self._lengths.pop(seq_id, None)
         if table:
             self._free_blocks.extend(reversed(table))
+        self._free_blocks.extend(reversed(self._overhead.pop(seq_id, [])))
 
     # ---- addressing --------------------------------------------------------------------------
 

@@ -3,9 +3,9 @@ preemption when the KV cache runs out.
 
 Token budget (chunked prefill, as vLLM's): decoding sequences come first (1 + draft tokens
 each), prompt chunks share what is left of `max_num_batched_tokens`, shortest remaining prompt
-first, so a short request is never queued behind a long prompt. While any sequence decodes, one
-prompt's chunk is at most `max_prefill_chunk_decoding` tokens (vLLM's long-prefill threshold): a
-long prompt then slows every decoding sequence's next token by a bounded amount. A prompt
+first, so a short request is never queued behind a long prompt. While any other sequence runs,
+one prompt's chunk is at most `max_prefill_chunk_decoding` tokens (vLLM's long-prefill
+threshold): a long prompt then slows every other sequence's next token by a bounded amount. A prompt
 always gets at least `MIN_PREFILL_CHUNK` tokens, so decoders never starve it either.
 
 KV cache (optimistic admission, as vLLM's): a request is admitted when its prompt fits the
@@ -57,10 +57,12 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        if self.cache.blocks_needed(seq.num_prompt + 1) > self.cache.num_blocks:
+        if self.cache.admission_blocks(seq.num_prompt + 1) > self.cache.num_blocks:
+            overhead = self.cache.seq_overhead_blocks * self.cache.block_size
             raise ValueError(
-                f"prompt of {seq.num_prompt} tokens needs {seq.num_prompt + 1} KV tokens; the "
-                f"cache holds {self.cache.capacity_tokens}")
+                f"prompt of {seq.num_prompt} tokens needs {seq.num_prompt + 1} KV tokens"
+                + (f" plus {overhead} tokens' worth for its state" if overhead else "")
+                + f"; the cache holds {self.cache.capacity_tokens}")
         # Requests that free slots will take at the next step are not queued in earnest.
         free_slots = max(0, self.max_num_seqs - len(self.running))
         if len(self.waiting) - free_slots >= self.max_queue:
@@ -79,7 +81,8 @@ class Scheduler:
         # 3) prompt chunks, shortest remaining first, within the step's token budget
         budget = max(self.max_num_batched_tokens - decode_tokens * len(step.decode),
                      MIN_PREFILL_CHUNK)
-        chunk = self.max_prefill_chunk_decoding if step.decode else budget
+        shared = len(self.running) > 1  # a lone prompt takes the whole budget
+        chunk = self.max_prefill_chunk_decoding if shared else budget
         for seq in sorted((s for s in self.running if s.is_prefilling),
                           key=lambda s: s.num_prefill - s.num_computed):
             n = min(seq.num_prefill - seq.num_computed, budget, chunk, self._room(seq))
@@ -134,7 +137,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in step.preempted:  # not back in the step that took its blocks away
                 return
-            need = self.cache.blocks_needed(seq.num_prefill + 1)
+            need = self.cache.admission_blocks(seq.num_prefill + 1)
             if need > free:
                 return
             free -= need

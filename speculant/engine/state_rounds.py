@@ -29,6 +29,9 @@ class StateRounds:
         self.model = model
         self.cache = cache
         self.checkpoints = StateCheckpoints(cache.states, self.mode)
+        # admission budgets each sequence's live state and checkpoints like KV blocks
+        state_bytes = cache.states.bytes_per_seq + self.checkpoints.bytes_per_seq(max_rows)
+        cache.seq_overhead_blocks = -(-state_bytes // cache.block_bytes)
         self._rounds: list[SeqChunk] = []  # verification chunks with an open round
         self._steps: dict = {}  # seq_id -> StepStates of the last forward (per_step)
         self.num_reruns = 0  # rounds that re-ran their kept rows (reeval)

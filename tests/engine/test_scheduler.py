@@ -158,3 +158,25 @@ def test_finish_frees_the_cache():
     assert cache.num_free_blocks == 4
     assert a.status is SeqStatus.FINISHED
     assert sched.num_unfinished == 0
+
+
+def test_per_sequence_overhead_blocks_are_budgeted_in_admission():
+    """Memory a sequence holds beyond its K/V (a hybrid model's state and checkpoints) is
+    taken from the same pool at admission and given back when it finishes."""
+    sched, cache = make(num_blocks=8, block_size=4)
+    cache.seq_overhead_blocks = 3
+    a, b, c = seq(0, 3), seq(1, 3), seq(2, 3)  # 4 tokens: 1 block each + 3 overhead
+    for s in (a, b, c):
+        sched.add(s)
+    step = sched.schedule(decode_tokens=1)
+    assert [s.seq_id for s, _ in step.prefill] == [0, 1]  # 2 x (1 + 3) blocks = all 8
+    assert c.status is SeqStatus.WAITING and cache.num_free_blocks == 8 - 2 * 4
+    sched.finish(a)
+    assert cache.num_free_blocks == 4  # its token block and its overhead came back
+
+
+def test_request_whose_overhead_cannot_fit_is_refused_naming_it():
+    sched, cache = make(num_blocks=4, block_size=4)
+    cache.seq_overhead_blocks = 4
+    with pytest.raises(ValueError, match="for its state"):
+        sched.add(seq(0, 3))

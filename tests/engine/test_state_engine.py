@@ -77,7 +77,8 @@ def test_sequences_stopping_mid_round_equal_plain(folder, mode):
 
 def test_state_slots_follow_the_kv_cache(folder):
     """Finished sequences give their state slot back; slots grow past the initial count."""
-    eng = engine(folder, spec_type=["suffix"], max_num_seqs=20)
+    # a cache that holds 20 sequences' K/V and their states (admission budgets both)
+    eng = engine(folder, spec_type=["suffix"], max_num_seqs=20, kv_cache_tokens=65536)
     generate(eng, batch=1, spec=True)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.run_to_completion([[5, 6, 7]] * 20, params)
@@ -133,3 +134,20 @@ def test_model_drafters_on_a_hybrid_target_equal_plain(folder, kind, mode, tmp_p
                  spec_options={kind: model_drafter_options(kind, folder, tmp_path)})
     assert generate(eng, 4, spec=True) == plain
     assert eng.speculator_stats()[kind].num_draft_tokens > 0
+
+
+def test_admission_budgets_state_memory_like_kv_blocks(folder):
+    """Each hybrid sequence holds blocks for its live state and its checkpoints: a cache that
+    could hold many sequences' K/V admits fewer at once, and all of it comes back."""
+    eng = engine(folder, spec_type=["suffix"], max_num_seqs=16, kv_cache_tokens=4096)
+    cache = eng.cache
+    assert cache.seq_overhead_blocks >= 1
+    before = cache.num_free_blocks
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    seqs = [eng.add_request([5, 6, 7], params) for _ in range(16)]
+    eng.step()
+    admitted = len(eng.status().running)
+    assert admitted <= before // (1 + cache.seq_overhead_blocks)
+    while eng.has_unfinished():
+        eng.step()
+    assert all(s.is_finished for s in seqs) and cache.num_free_blocks == before
