@@ -25,9 +25,10 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads; None = all cores
     max_num_seqs: int = 16  # sequences decoded together
     max_num_batched_tokens: int = 512  # tokens per forward (prefill chunks are cut to fit)
-    # Longest chunk of one prompt in a step while any sequence decodes: bounds the time a long
-    # prompt adds to every decoding sequence's next token (~1.5 ms per prompt token, 2 cores).
-    max_prefill_chunk_decoding: int = 64
+    # Longest chunk of one prompt in a step while other sequences run: bounds the time a long
+    # prompt adds to every other sequence's next token (~2-3 ms per prompt token at long
+    # contexts on 2 CPU cores: a 32-token chunk keeps a decode step around 0.1 s).
+    max_prefill_chunk_decoding: int = 32
     max_model_len: int | None = None  # None = the model's context length
     kv_cache_tokens: int = 32768  # KV capacity shared by all sequences
     # KV cache element type: float16 (llama.cpp's default too) or float32; auto = float32 with
