@@ -252,6 +252,10 @@ class EngineLoop:
 
     def _shutdown(self) -> None:
         self._fail_all("server shutting down")
+        try:  # what speculators keep across runs (ngram_cache's dynamic table) is written now
+            self.engine.save_speculators()
+        except Exception:
+            log.exception("saving speculator state failed")
         while True:
             try:
                 cmd = self._inbox.get_nowait()

@@ -65,6 +65,17 @@ def test_per_request_timings_separate_waiting_from_decoding(tmp_path):
     assert second["tokens_per_s"] < second["decode_tokens_per_s"]
 
 
+def test_ngram_cache_dynamic_table_is_saved_at_the_end_of_a_run(tmp_path):
+    """The dynamic n-gram cache named by its option is written when the run ends, and a
+    second run loads it."""
+    table = tmp_path / "dynamic.bin"
+    args = ("generate", "Count to ten.", "--max-tokens", "16", "--json", "--spec-type", "ngram_cache",
+            "--spec-option", f"ngram_cache.lookup_cache_dynamic={table}")
+    run_cli(*args)
+    assert table.exists() and table.stat().st_size > 8
+    run_cli(*args)
+
+
 def test_plain_text_run_streams_and_ends_with_tokens_per_second():
     proc = run_cli("generate", "Count to five.", "--max-tokens", "12", "--spec-type", "ngram_simple")
     lines = proc.stdout.strip().splitlines()
