@@ -97,23 +97,19 @@ def _merge_spec(outs: list) -> dict:
 
 
 class _Streamer:
-    """Prints a single request's text as tokens arrive (whole characters only)."""
+    """Prints a single request's text as tokens arrive: each update carries the text its
+    tokens completed (incremental detokenization, stop strings already cut)."""
 
     def __init__(self, llm):
         self.llm = llm
-        self.printed = 0
 
     def __call__(self, update) -> None:
-        text = self.llm.engine.output_text(update.seq)
-        if not update.finished and text.endswith("\ufffd"):
-            return  # a multi-byte character is still incomplete
-        sys.stdout.write(text[self.printed:])
-        sys.stdout.flush()
-        self.printed = len(text)
+        if update.new_text:
+            sys.stdout.write(update.new_text)
+            sys.stdout.flush()
 
     def end_turn(self) -> None:
         sys.stdout.write("\n")
-        self.printed = 0
 
 
 def _print_summary(llm, outs: list[RequestOutput], wall_s: float) -> None:
