@@ -282,6 +282,7 @@ class HeadFit:
         size = self.head.save(self.cfg.out)
         held_ids = torch.roll(self.data.heldout.token_ids, -1)[self.data.heldout.next_is_output]
         share, needed = coverage(held_ids.long(), self.counts, self.cfg.draft_vocab)
+        ever = round(float((self.counts[held_ids.long()] > 0).float().mean()), 4)
         import dataclasses
 
         return {
@@ -294,7 +295,9 @@ class HeadFit:
                      "embedding": "the target's (not stored)"},
             "data": self.data.info,
             "draft_vocab": {"size": self.cfg.draft_vocab, "heldout_coverage": share,
-                            "tokens_for_95": needed, "heldout_tokens": int(held_ids.numel())},
+                            "tokens_for_95": needed, "heldout_tokens": int(held_ids.numel()),
+                            "heldout_coverage_all_generated": ever,
+                            "generated_distinct": int((self.counts > 0).sum())},
             "train": self.train_info,
             "heldout": dict(metrics, categories=self.data.heldout_categories and
                             sorted(set(self.data.heldout_categories)),
