@@ -7,6 +7,7 @@ final norm and LM-head rows of the draft vocabulary); the maths is pure function
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -283,7 +284,6 @@ class HeadFit:
         held_ids = torch.roll(self.data.heldout.token_ids, -1)[self.data.heldout.next_is_output]
         share, needed = coverage(held_ids.long(), self.counts, self.cfg.draft_vocab)
         ever = round(float((self.counts[held_ids.long()] > 0).float().mean()), 4)
-        import dataclasses
 
         return {
             "command": command,

@@ -28,6 +28,10 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from speculant.training.head_data import FeatureSpec
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PROMPTS = os.path.normpath(os.path.join(REPO_DIR, "..", "shared", "data", "prompts_dev.jsonl"))
@@ -125,7 +129,7 @@ def config_from_args(args) -> HeadTrainConfig:
     return HeadTrainConfig(**kw)
 
 
-def feature_spec(cfg: HeadTrainConfig, target_config) -> "FeatureSpec":
+def feature_spec(cfg: HeadTrainConfig, target_config) -> FeatureSpec:
     """The data spec: the head's capture layers plus the last layer (for the soft labels)."""
     from speculant.models.eagle3_head import aux_to_capture_layers, default_aux_layer_ids
     from speculant.models.loader import file_key, resolve_model
