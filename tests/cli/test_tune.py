@@ -4,7 +4,6 @@ import json
 
 import pytest
 
-from conftest import DEV_PROMPTS
 from test_cli import run_cli
 from speculant.cli.options import add_engine_args, engine_options
 from speculant.engine.spec_params import SpecSetting, read_spec_params, write_spec_params
@@ -45,7 +44,10 @@ def test_bad_spec_params_file_is_named(tmp_path, body, message):
 def test_tune_command_measures_and_writes_a_loadable_file(tmp_path):
     """A tiny search (one prompt, two limits) prints its table and writes the best setting."""
     out = str(tmp_path / "params.json")
-    proc = run_cli("tune", "--prompts", DEV_PROMPTS, "--categories", "qa", "--limit", "1",
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "q1", "category": "qa", "mode": "chat",
+                                   "turns": ["Repeat: red, green, blue, red, green, blue."]}) + "\n")
+    proc = run_cli("tune", "--prompts", str(prompts), "--categories", "qa", "--limit", "1",
                    "--max-tokens", "16", "--grid", "2,8", "--spec-type", "ngram_mod,suffix",
                    "--out", out)
     assert "| ngram_mod,suffix | 2 |" in proc.stdout and "| ngram_mod,suffix | 8 |" in proc.stdout
