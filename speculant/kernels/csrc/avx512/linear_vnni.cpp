@@ -36,6 +36,12 @@ constexpr int kPairTile = 2;    // pairs of groups per tile: 32 output rows
 // registers, leaving room for the weights and the broadcasts.
 constexpr int kRowTile = 4;
 
+// int32 chains per output vector and block: with one or two rows a tile has too few independent
+// vpdpbusd chains to hide their latency, so each block's sum is split in two (added at the end,
+// exactly); with more rows a second chain would only spill registers.
+template <int MR>
+constexpr int kChains = MR <= 2 ? 2 : 1;
+
 // The two groups of a pair. A lone last group is paired with itself: its copy in the upper half
 // is computed like any lane and never stored.
 struct Pair {
@@ -104,11 +110,11 @@ struct Q4Pairs {
     for (int n = 0; n < NP; ++n)
       for (int i = 0; i < MR; ++i) acc[n][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      // two int32 chains per output vector (low and high nibbles), added at the end: half the
-      // dependent vpdpbusd latency per block (exact either way)
-      __m512i dot[NP][MR], dot_hi[NP][MR];
+      constexpr int kHi = kChains<MR> - 1;  // the high nibbles' chain
+      __m512i dot[NP][MR][kChains<MR>];
       for (int n = 0; n < NP; ++n)
-        for (int i = 0; i < MR; ++i) dot[n][i] = dot_hi[n][i] = _mm512_setzero_si512();
+        for (int i = 0; i < MR; ++i)
+          for (int c = 0; c < kChains<MR>; ++c) dot[n][i][c] = _mm512_setzero_si512();
       for (int n = 0; n < NP; ++n) prefetch_pair(weight, 128, nb, pairs[n], b + kPrefetchBlocks);
       for (int v = 0; v < 4; ++v) {  // chunk v: elements 4v..4v+3 (low) and 16+4v.. (high)
         __m512i lo[NP], hi[NP];
@@ -121,8 +127,8 @@ struct Q4Pairs {
           const int8_t* x = xq + (i * nb + b) * kBlock;
           const __m512i x_lo = broadcast4(x + 4 * v), x_hi = broadcast4(x + 16 + 4 * v);
           for (int n = 0; n < NP; ++n) {
-            dot[n][i] = _mm512_dpbusd_epi32(dot[n][i], lo[n], x_lo);
-            dot_hi[n][i] = _mm512_dpbusd_epi32(dot_hi[n][i], hi[n], x_hi);
+            dot[n][i][0] = _mm512_dpbusd_epi32(dot[n][i][0], lo[n], x_lo);
+            dot[n][i][kHi] = _mm512_dpbusd_epi32(dot[n][i][kHi], hi[n], x_hi);
           }
         }
       }
@@ -131,7 +137,7 @@ struct Q4Pairs {
         const __m512 wm = kHasMin ? load_pair_halves(p.mins, nb, pairs[n], b) : wd;
         for (int i = 0; i < MR; ++i) {
           const int64_t xb = (m0 + i) * nb + b;  // this row's block in the activation arrays
-          __m512i d = _mm512_add_epi32(dot[n][i], dot_hi[n][i]);
+          __m512i d = kHi ? _mm512_add_epi32(dot[n][i][0], dot[n][i][kHi]) : dot[n][i][0];
           if constexpr (!kHasMin) d = _mm512_sub_epi32(d, _mm512_set1_epi32(8 * p.acts.sum[xb]));
           acc[n][i] = scale_block(d, wd, p.acts.d[xb], acc[n][i]);
           if constexpr (kHasMin) {
@@ -159,10 +165,10 @@ struct Q8Pairs {
     for (int n = 0; n < NP; ++n)
       for (int i = 0; i < MR; ++i) acc[n][i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      // even and odd chunks in two int32 chains, added at the end (see Q4Pairs)
-      __m512i dot[NP][MR][2];
+      __m512i dot[NP][MR][kChains<MR>];  // even and odd chunks, when split
       for (int n = 0; n < NP; ++n)
-        for (int i = 0; i < MR; ++i) dot[n][i][0] = dot[n][i][1] = _mm512_setzero_si512();
+        for (int i = 0; i < MR; ++i)
+          for (int c = 0; c < kChains<MR>; ++c) dot[n][i][c] = _mm512_setzero_si512();
       for (int n = 0; n < NP; ++n) prefetch_pair(weight, 256, nb, pairs[n], b + kPrefetchBlocks);
       for (int c = 0; c < 8; ++c) {  // chunk c: elements 4c..4c+3
         __m512i w[NP];
@@ -172,7 +178,8 @@ struct Q8Pairs {
         for (int i = 0; i < MR; ++i) {
           const __m512i x = broadcast4(xq + (i * nb + b) * kBlock + 4 * c);
           for (int n = 0; n < NP; ++n) {
-            dot[n][i][c % 2] = _mm512_dpbusd_epi32(dot[n][i][c % 2], w[n], x);
+            __m512i& chain = dot[n][i][c % kChains<MR>];
+            chain = _mm512_dpbusd_epi32(chain, w[n], x);
           }
         }
       }
@@ -180,7 +187,8 @@ struct Q8Pairs {
         const __m512 wd = load_pair_halves(p.scales, nb, pairs[n], b);
         for (int i = 0; i < MR; ++i) {
           const int64_t xb = (m0 + i) * nb + b;
-          const __m512i sum = _mm512_add_epi32(dot[n][i][0], dot[n][i][1]);
+          const __m512i sum =
+              kChains<MR> == 2 ? _mm512_add_epi32(dot[n][i][0], dot[n][i][1]) : dot[n][i][0];
           const __m512i d = _mm512_sub_epi32(sum, _mm512_set1_epi32(128 * p.acts.sum[xb]));
           acc[n][i] = scale_block(d, wd, p.acts.d[xb], acc[n][i]);
         }
