@@ -326,7 +326,9 @@ class Router:
     # ---- information --------------------------------------------------------------------------
 
     def _health(self) -> Response:
-        replicas = {n: {"healthy": self.router.is_healthy(n), "pid": self._pids[n],
+        # A replica no probe has answered yet is not reported healthy (its pid is still unknown).
+        replicas = {n: {"healthy": self.router.is_healthy(n) and self._pids[n] is not None,
+                        "pid": self._pids[n],
                         "in_flight": self.router.in_flight(n)} for n in self.names}
         ok = any(r["healthy"] for r in replicas.values())
         return JSONResponse({"status": "ok" if ok else "error", "replicas": replicas},

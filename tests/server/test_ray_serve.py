@@ -184,8 +184,10 @@ def test_session_affinity_seen_in_replica_metrics(ray_url):
 def test_killed_replica_restarts_and_the_other_finishes(ray_url):
     """SIGKILL one replica mid-stream: its stream ends with replica_died, the other's completes,
     and Ray Serve brings the killed one back (a new pid, routed to again)."""
-    body = {"prompt": "Count from one to a thousand: one, two,", "max_tokens": 800,
-            "temperature": 0.0, "ignore_eos": True}
+    # Plain decoding of 3000 tokens: seconds even on a fast machine, so the victim's stream is
+    # still running when it is killed (counting with the chain once finished 800 tokens first).
+    body = {"prompt": "Count from one to a thousand: one, two,", "max_tokens": 3000,
+            "temperature": 0.0, "ignore_eos": True, "speculative": {"enabled": False}}
     pids = {n: r["pid"] for n, r in httpx.get(ray_url + "/health").json()["replicas"].items()}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(_stream, ray_url, "/v1/completions", body, {"X-Session-Id": n})
@@ -193,7 +195,7 @@ def test_killed_replica_restarts_and_the_other_finishes(ray_url):
         victim = _both_busy(ray_url)
         time.sleep(0.5)  # both streams have started: the victim's cannot be retried elsewhere
         os.kill(pids[victim], signal.SIGKILL)
-        outs = [f.result(timeout=120) for f in futures]
+        outs = [f.result(timeout=240) for f in futures]
     by_replica = {o["replica"]: o for o in outs}
     assert set(by_replica) == set(REPLICAS)
     assert by_replica[victim]["error"]["code"] == "replica_died"
