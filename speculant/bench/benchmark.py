@@ -21,7 +21,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from speculant.bench.options import PeerSpec, check_args, parse_compare, parse_levels, parse_methods
+from speculant.bench.options import (PeerSpec, check_args, is_tuned, parse_compare, parse_levels,
+                                     parse_methods)
 from speculant.bench.report import PLAIN, RunResult, emit_report, now_iso
 from speculant.speculators.counters import total
 
@@ -72,7 +73,7 @@ def run_bench(args) -> int:
         return run_replay(args)
     levels = parse_levels(args.concurrency)
     peer_specs = parse_compare(args.compare)
-    methods = parse_methods(args.spec_type)
+    methods = parse_methods(args.spec_type, args.tune_compare)
     engine = _engine(args, levels, methods)
     groups = _prompt_groups(args, engine.tokenizer)
     threads = _threads()
@@ -140,7 +141,8 @@ def _warm_up(engine, args, methods, groups) -> None:
         return
     shortest = min((p.text for ps in groups.values() for p in ps), key=len)
     engine.set_limits(max_num_seqs=1)
-    for _, types in _progress(methods, "warm-up", "method"):
+    for name, types in _progress(methods, "warm-up", "method"):
+        engine.set_tuning(_tuned(args, name, types))
         engine.run_to_completion([shortest], _params(args, types, args.warmup_tokens))
     engine.reset_stats()
 
@@ -157,6 +159,7 @@ def _measure_all(engine, args, methods, groups, levels, threads):
             for _ in range(args.repeats):
                 for name, types in methods:
                     bar.set_postfix_str(f"{category} c={level} {name}")
+                    engine.set_tuning(_tuned(args, name, types))
                     runs[name].append(_timed_run(engine, args, types, prompts, level, threads,
                                                  f"{category} c={level} {name}"))
                     bar.update()
@@ -169,6 +172,12 @@ def _measure_all(engine, args, methods, groups, levels, threads):
                 bar.write(_progress_line(res, runs[PLAIN]), file=sys.stderr)
     bar.close()
     return results, plain_runs
+
+
+def _tuned(args, name: str, types: list[str]) -> bool:
+    """Whether this method runs with the online tuner: all speculative methods with
+    --spec-tune, the METHOD+tuned twins with --tune-compare."""
+    return bool(types) and (args.spec_tune or is_tuned(name))
 
 
 def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:

@@ -42,6 +42,9 @@ def add_bench_args(p) -> None:
                    help="replay: what verifying one draft token costs, as a fraction of a plain "
                         "decode step (default: the engine's prior); prices drafts in the chain "
                         "and gives each row's est_speedup")
+    g.add_argument("--tune-compare", action="store_true",
+                   help="run every speculative method twice, without and with the online tuner "
+                        "(the tuned one named METHOD+tuned), interleaved in the same run")
     g.add_argument("--out-dir", default="bench_out", help="directory of the dated JSON and chart")
     g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
@@ -52,8 +55,12 @@ class PeerSpec:
     url: str | None = None
 
 
-def parse_methods(spec_type: str) -> list[tuple[str, list[str]]]:
-    """'ngram_mod,suffix;draft' -> [('plain', []), ('ngram_mod,suffix', [...]), ('draft', [...])]."""
+TUNED_SUFFIX = "+tuned"  # a method run with the online tuner (--tune-compare)
+
+
+def parse_methods(spec_type: str, tune_compare: bool = False) -> list[tuple[str, list[str]]]:
+    """'ngram_mod,suffix;draft' -> [('plain', []), ('ngram_mod,suffix', [...]), ('draft', [...])];
+    with `tune_compare` each chain is followed by its tuned twin ('draft+tuned', [...])."""
     from speculant.engine.config import parse_spec_types
 
     methods = [(PLAIN, [])]
@@ -61,7 +68,13 @@ def parse_methods(spec_type: str) -> list[tuple[str, list[str]]]:
         types = parse_spec_types(chain)
         if types:
             methods.append((",".join(types), types))
+            if tune_compare:
+                methods.append((",".join(types) + TUNED_SUFFIX, types))
     return methods
+
+
+def is_tuned(method: str) -> bool:
+    return method.endswith(TUNED_SUFFIX)
 
 
 def parse_levels(text: str) -> list[int]:
@@ -104,8 +117,9 @@ def check_args(args) -> None:
                       ("rerun_on_interference", 0), ("hf_prompt_lookup", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
-    if args.replay and (args.compare or args.record):
-        raise ValueError("--replay runs no model: --compare and --record do not apply")
+    if args.replay and (args.compare or args.record or args.tune_compare):
+        raise ValueError("--replay runs no model: --compare, --record and --tune-compare do not "
+                         "apply")
     if args.replay_row_cost is not None:
         if not args.replay:
             raise ValueError("--replay-row-cost applies only with --replay")

@@ -265,6 +265,15 @@ class Engine:
                 raise ValueError(f"max_queue must be >= 1, got {max_queue}")
             self.scheduler.max_queue = max_queue
 
+    def set_tuning(self, enabled: bool) -> None:
+        """Switch the online tuner on (a fresh one, nothing measured) or off, between runs."""
+        if self.has_unfinished():
+            raise RuntimeError("set_tuning while requests are running")
+        if not enabled:
+            self.tuner = None
+        elif self.tuner is None:
+            self.tuner = SpecTuner(TunerConfig(), self.config.spec_n_max)
+
     def status(self) -> EngineStatus:
         """What is running, waiting and free right now (for /metrics, /slots, logs)."""
         cache = self.cache
