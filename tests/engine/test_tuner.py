@@ -52,7 +52,7 @@ def test_buckets_are_tuned_apart_and_grid_respects_the_engine_limit():
 
 
 @pytest.mark.parametrize("bad", [dict(grid=(-1, 2)), dict(min_pulls=0), dict(smoothing=0.0),
-                                 dict(explore_every=128), dict(margin=1.5)])
+                                 dict(explore_every=512), dict(margin=1.5)])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError, match="tuner"):
         TunerConfig(**bad)
@@ -101,3 +101,14 @@ def test_tuned_outputs_equal_plain(default_engine):
                                                               spec=SpecParams(enabled=False)))
     tuned = engine.run_to_completion([prompt], SamplingParams(max_tokens=64, temperature=0.0))
     assert tuned[0].output_ids == plain[0].output_ids
+
+
+def test_noise_around_equal_goodput_keeps_the_untuned_limit():
+    """Arms whose goodput differs only by noise (+-2%, under the 3% margin) never displace the
+    incumbent: the engine's own limit, i.e. the untuned behaviour."""
+    import random
+
+    rng = random.Random(0)
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    run_bandit(tuner, lambda n: 1000 * (1 + rng.uniform(-0.02, 0.02)), steps=500)
+    assert tuner.best(1) == 16 and tuner.summary()["1"]["num_switches_off"] == 0
