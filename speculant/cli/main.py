@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_distill_args(distill)
 
-    train_head = sub.add_parser("train-head", help="train an EAGLE-3 draft head on the target's features")
+    train_head = sub.add_parser("train-head", help="train an EAGLE-3 or MTP draft head on the target's features")
     from speculant.training.head_trainer import add_train_head_args
 
     add_train_head_args(train_head)

@@ -300,6 +300,13 @@ class FeatureCache:
                 manifest = json.load(f)
         except (OSError, ValueError):
             return {"spec": dataclasses.asdict(self.spec), "shards": [], "heldout": None}
+        cached_layers = manifest["spec"].get("layers")
+        if cached_layers != self.spec.layers:
+            # the layer set is what a head kind reads: never train one kind on another's data
+            raise ValueError(f"{self.folder}: the cached features are of target layers "
+                             f"{cached_layers}, this run needs layers {self.spec.layers} (the "
+                             f"cache was made for another --kind or --aux-layers); use another "
+                             f"--data-dir or --out, or remove the cache")
         if manifest["spec"] != dataclasses.asdict(self.spec):
             raise ValueError(f"{self.folder}: cached data were made with another spec "
                              f"({_spec_diff(manifest['spec'], dataclasses.asdict(self.spec))}); "

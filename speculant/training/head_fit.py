@@ -1,9 +1,11 @@
-"""Fitting an EAGLE-3 head to cached target features: the loop, its maths and its figures.
+"""Fitting a drafter head (EAGLE-3 or MTP) to cached target features: the loop, its maths and
+its figures.
 
-`HeadFit` holds the run's state (head, optimizer, data streams, the target's frozen embedding,
-final norm and LM-head rows of the draft vocabulary); the maths is pure functions:
-`unroll` (training-time test, k steps), `target_probs` (the soft labels), `soft_ce`,
-`heldout_metrics`, `draft_vocab` and `coverage`.
+`HeadFit` holds the run's state (head, optimizer, data streams, the target's frozen final norm
+and LM-head rows of the draft vocabulary); what differs per head kind (layers read, the head's
+start) is a `HeadKind` (`head_kinds.py`). The maths is pure functions over any head with the
+per-step API of `speculators/feature_drafter.py`: `unroll` (training-time test, k steps),
+`target_probs` (the soft labels), `soft_ce`, `heldout_metrics`, `draft_vocab` and `coverage`.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import time
 
 import torch
 
-from speculant.models.eagle3_head import Eagle3Head, rms_norm
+from speculant.models.eagle3_head import rms_norm
 from speculant.training.head_batches import Row, heldout_rows, row_stream
+from speculant.training.head_kinds import HEAD_KINDS, TargetParts
 from speculant.training.ttt_attention import row_mask, ttt_attention
 
 STEP_WEIGHT = 0.8  # EAGLE-3's loss weight decay per unrolled step
@@ -29,9 +32,9 @@ CHECKPOINT = "checkpoint.pt"
 
 # ---- maths ------------------------------------------------------------------------------------
 
-def unroll(head: Eagle3Head, row: Row, layers, num_steps: int):
+def unroll(head, row: Row, layers, num_steps: int):
     """Training-time test over one packed row: step j's head row r reads the token at r+1+j
-    and (step 0) the fused target feature at r or (step j > 0) its own step j-1 output.
+    and (step 0) the (fused) target feature at r or (step j > 0) its own step j-1 output.
     Returns per step (h_out [T, d], label index [T], valid [T] bool), where the label of row r
     is the target's distribution at r+1+j (it predicts the token at r+2+j); valid rows have
     that distribution and the target generated the predicted token."""
@@ -99,7 +102,7 @@ def lr_at(base_lr: float, step: int, progress: float) -> float:
 
 
 @torch.no_grad()
-def heldout_metrics(head: Eagle3Head, rows: list[Row], layers, num_steps: int) -> dict:
+def heldout_metrics(head, rows: list[Row], layers, num_steps: int) -> dict:
     """Greedy drafting replayed on the target's greedy answers: per draft position j the
     share of verification steps whose first j+1 drafts all match the target, first-token
     agreement per category, and expected accepted length (1 + mean accepted drafts)."""
@@ -142,24 +145,19 @@ class HeadFit:
 
     def __init__(self, cfg, target, data, eos_id: int | None):
         self.cfg, self.data = cfg, data
+        self.kind = HEAD_KINDS[cfg.kind]
         tc = target.config
         self.eps = tc.rms_norm_eps
         self.last_layer = tc.num_layers - 1
-        embed = _dense(target.weights["token_embd.weight"])  # [vocab, d]
-        lm_head = _dense(target.weights["output.weight"]) if "output.weight" in target.weights \
-            else embed
-        self.final_norm = _dense(target.weights["output_norm.weight"])  # [d]
+        parts = TargetParts.of(target)
+        self.final_norm = parts.final_norm  # [d]
         generated = torch.cat([torch.roll(s.token_ids, -1)[s.next_is_output] for s in data.shards])
         ids, self.counts = draft_vocab(generated, cfg.draft_vocab, eos_id, tc.vocab_size)
-        self.checkpoint = _read_checkpoint(cfg.out) if not cfg.fresh else None
+        self.checkpoint = _read_checkpoint(cfg.out, cfg.kind) if not cfg.fresh else None
         if self.checkpoint is not None:
             ids = self.checkpoint["draft_ids"]
-        self.head = Eagle3Head.random(tc, ids, cfg.seed, cfg.aux_layers)
-        self.head.use_target_embedding(embed)
-        self.label_head = lm_head[ids].contiguous()  # [draft_vocab, d]
-        with torch.no_grad():  # start from the target's own output layer on the draft vocabulary
-            self.head.lm_head.weight.copy_(self.label_head)
-            self.head.norm.weight.copy_(self.final_norm)
+        self.head = self.kind.new_head(cfg, tc, parts, ids)
+        self.label_head = parts.lm_head[ids].contiguous()  # [draft_vocab, d]
         self.layers = self.head.capture_layers
         self.heldout = heldout_rows(data.heldout, data.heldout_categories, cfg.seq_len)
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
@@ -271,7 +269,8 @@ class HeadFit:
     def save_checkpoint(self) -> None:
         os.makedirs(self.cfg.out, exist_ok=True)
         path = os.path.join(self.cfg.out, CHECKPOINT)
-        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(),
+        torch.save({"kind": self.cfg.kind, "head": self.head.state_dict(),
+                    "opt": self.opt.state_dict(),
                     "step": self.step, "tokens": self.tokens, "rows_drawn": self.rows_drawn,
                     "draft_ids": self.head.draft_to_target(torch.arange(
                         self.head.config.draft_vocab_size))}, path + ".tmp")
@@ -288,11 +287,10 @@ class HeadFit:
         return {
             "command": command,
             "config": dataclasses.asdict(self.cfg),
-            "head": {"file_mb": round(size / 1e6, 1),
-                     "aux_layer_ids": list(self.head.config.aux_layer_ids),
+            "head": {"kind": self.cfg.kind, "file_mb": round(size / 1e6, 1),
                      "capture_layers": list(self.layers),
                      "parameters": sum(p.numel() for p in self.head.parameters()),
-                     "embedding": "the target's (not stored)"},
+                     "embedding": "the target's (not stored)", **self.kind.describe(self.head)},
             "data": self.data.info,
             "draft_vocab": {"size": self.cfg.draft_vocab, "heldout_coverage": share,
                             "tokens_for_95": needed, "heldout_tokens": int(held_ids.numel()),
@@ -316,19 +314,23 @@ def bf16_matmul_is_fast() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _dense(weight) -> torch.Tensor:
-    """A target weight as a dense fp32 tensor (packed GGUF weights dequantized exactly)."""
-    if hasattr(weight, "dequantize"):
-        return weight.dequantize().float()
-    return torch.as_tensor(weight).float()
-
-
-def _read_checkpoint(out: str) -> dict | None:
+def _read_checkpoint(out: str, kind: str) -> dict | None:
     path = os.path.join(out, CHECKPOINT)
     if not os.path.exists(path):
         return None
+    checkpoint = torch.load(path, weights_only=True)
+    check_checkpoint_kind(checkpoint, kind, path)
     print(f"train-head: resuming from {path}", file=sys.stderr, flush=True)
-    return torch.load(path, weights_only=True)
+    return checkpoint
+
+
+def check_checkpoint_kind(checkpoint: dict, kind: str, path: str) -> None:
+    """ValueError when the checkpoint holds another kind of head (checkpoints written before
+    MTP training existed carry no kind: they are EAGLE-3's)."""
+    found = checkpoint.get("kind", "eagle3")
+    if found != kind:
+        raise ValueError(f"train-head: {path} is a checkpoint of a {found} head, not {kind}; "
+                         f"use another --out or --fresh")
 
 
 def _mean(history: list[tuple[float, float]]) -> float | None:

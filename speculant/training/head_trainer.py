@@ -1,8 +1,13 @@
-"""`speculant train-head --kind eagle3`: train an EAGLE-3 draft head on the target's features.
+"""`speculant train-head --kind eagle3|mtp`: train a draft head on the target's features.
+
+Kinds (`head_kinds`): `eagle3` (EAGLE-3's fused features of three layers) and `mtp`
+(DeepSeek-V3's multi-token prediction module on the last layer's residual, applied recursively);
+both are fitted by the same loop (`head_fit`).
 
 Data (`head_data`): the target's own answers to real prompts with its hidden states captured
-during generation, cached on disk. Draft vocabulary: the `draft_vocab` tokens the target
-generates most in the training data (EOS always in). Loss: training-time test (EAGLE-3, Li et
+during generation, cached on disk (the layers a kind reads are part of the cache's spec, so a
+cache made for one kind is refused by another). Draft vocabulary: the `draft_vocab` tokens the
+target generates most in the training data (EOS always in). Loss: training-time test (EAGLE-3, Li et
 al. 2025) with `ttt_steps` unrolled steps; at step j the head reads its own output hidden of
 step j-1 and the next ground-truth token, and its draft-vocabulary distribution q_j is scored by
 
@@ -35,7 +40,7 @@ if TYPE_CHECKING:
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PROMPTS = os.path.normpath(os.path.join(REPO_DIR, "..", "shared", "data", "prompts_dev.jsonl"))
-KINDS = ("eagle3",)
+KINDS = ("eagle3", "mtp")  # the keys of head_kinds.HEAD_KINDS (that module imports torch)
 TRAIN_DTYPES = ("auto", "bfloat16", "float32")
 TRAIN_CATEGORIES = ("gsm8k", "code_completion")  # the only dev categories that are not judged
 HELDOUT_CATEGORIES = ("mt_bench", "qa", "math_reasoning", "translation")
@@ -79,6 +84,9 @@ class HeadTrainConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"train-head: --kind must be one of {KINDS}, got {self.kind!r}")
+        if self.aux_layers and self.kind != "eagle3":
+            raise ValueError(f"train-head: --aux-layers is an eagle3 option ({self.kind} reads "
+                             f"the target's last layer)")
         judged = set(self.train_categories) & set(self.heldout_categories)
         if judged:
             raise ValueError(f"train-head: categories {sorted(judged)} are both trained on and "
@@ -131,12 +139,12 @@ def config_from_args(args) -> HeadTrainConfig:
 
 def feature_spec(cfg: HeadTrainConfig, target_config) -> FeatureSpec:
     """The data spec: the head's capture layers plus the last layer (for the soft labels)."""
-    from speculant.models.eagle3_head import aux_to_capture_layers, default_aux_layer_ids
     from speculant.models.loader import file_key, resolve_model
     from speculant.training.head_data import FeatureSpec
+    from speculant.training.head_kinds import HEAD_KINDS
 
-    aux = cfg.aux_layers or default_aux_layer_ids(target_config.num_layers)
-    layers = sorted(set(aux_to_capture_layers(aux)) | {target_config.num_layers - 1})
+    read = HEAD_KINDS[cfg.kind].capture_layers(cfg, target_config)
+    layers = sorted(set(read) | {target_config.num_layers - 1})
     return FeatureSpec(
         model_key=file_key(resolve_model(cfg.model).path), layers=layers, prompts=cfg.prompts,
         train_categories=list(cfg.train_categories),

