@@ -12,10 +12,13 @@ import torch
 ARCHS = {"lfm2": gguf.MODEL_ARCH.LFM2, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT}
 
 
-def write_gguf(model, path, qtype: str = "F32", arch_name: str | None = None, edit=None) -> str:
+def write_gguf(model, path, qtype: str = "F32", arch_name: str | None = None, edit=None,
+               mtp_block: bool = False) -> str:
     """model: a transformers Lfm2ForCausalLM / Qwen3NextForCausalLM. qtype: the GGML type of
-    its matrices ("F32", "F16", "BF16", "Q8_0"; see `stored_as`). `arch_name` overrides `general.architecture`; `edit(name, array)`
-    returns the array to write instead, or None to leave the tensor out (broken files)."""
+    its matrices ("F32", "F16", "BF16", "Q8_0"; see `stored_as`). `arch_name` overrides
+    `general.architecture`; `edit(name, array)` returns the array to write instead, or None to
+    leave the tensor out (broken files). `mtp_block` (Qwen3-Next): write as newer converters
+    do, with per-layer `attention.recurrent_layers` flags and an MTP block after the trunk."""
     cfg = model.config
     arch = ARCHS[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch_name or gguf.MODEL_ARCH_NAMES[arch])
@@ -23,8 +26,10 @@ def write_gguf(model, path, qtype: str = "F32", arch_name: str | None = None, ed
         _lfm2_metadata(writer, cfg)
         tensors = _lfm2_tensors(model.state_dict())
     else:
-        _qwen3_next_metadata(writer, cfg)
+        _qwen3_next_metadata(writer, cfg, mtp_block)
         tensors = _qwen3_next_tensors(model.state_dict(), cfg)
+        if mtp_block:
+            tensors = [*tensors, *_mtp_block(model.state_dict(), cfg)]
     _add_vocab(writer, cfg.vocab_size)
     names = gguf.TensorNameMap(arch, cfg.num_hidden_layers)
     for hf_name, tensor in tensors:
@@ -89,8 +94,12 @@ def _lfm2_tensors(state: dict):
 
 # ---- Qwen3-Next (llama.cpp conversion/qwen.py, Qwen3NextModel over Qwen2MoeModel) --------------
 
-def _qwen3_next_metadata(writer, cfg) -> None:
-    _common_metadata(writer, cfg, cfg.num_key_value_heads)
+def _qwen3_next_metadata(writer, cfg, mtp_block: bool) -> None:
+    _common_metadata(writer, cfg, cfg.num_key_value_heads, cfg.num_hidden_layers + mtp_block)
+    if mtp_block:  # the MTP block counts as one more block, and is not recurrent
+        writer.add_nextn_predict_layers(1)
+        writer.add_array(f"{writer.arch}.attention.recurrent_layers",
+                         [t == "linear_attention" for t in cfg.layer_types] + [False])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_key_length(cfg.head_dim)
@@ -139,6 +148,22 @@ def _qwen3_next_tensors(state: dict, cfg):
             yield name, t
 
 
+def _mtp_block(state: dict, cfg):
+    """An MTP block as `blk.{num_layers}`: the nextn projections and norms, and a decoder layer
+    (a copy of the last one's tensors: their values do not matter, the target never reads them)."""
+    last, mtp = cfg.num_hidden_layers - 1, cfg.num_hidden_layers
+    h = cfg.hidden_size
+    yield f"blk.{mtp}.nextn.eh_proj.weight", torch.zeros(h, 2 * h)
+    for norm in ("enorm", "hnorm", "shared_head_norm"):
+        yield f"blk.{mtp}.nextn.{norm}.weight", torch.ones(h)
+    names = gguf.TensorNameMap(ARCHS["qwen3_next"], mtp + 1)
+    for name, t in _qwen3_next_tensors(state, cfg):
+        mapped = name if name.startswith("blk.") else names.get_name(
+            name, try_suffixes=(".weight", ".bias"))
+        if mapped and mapped.startswith(f"blk.{last}."):
+            yield f"blk.{mtp}." + mapped[len(f"blk.{last}."):], t
+
+
 def _split_qkvz(name: str, t: torch.Tensor, cfg):
     """Rows per key head q | k | v | z -> attn_qkv (all q | all k | all v) and attn_gate (all z)."""
     layer = int(name.split(".")[2])
@@ -152,8 +177,8 @@ def _split_qkvz(name: str, t: torch.Tensor, cfg):
 
 # ---- shared ------------------------------------------------------------------------------------
 
-def _common_metadata(writer, cfg, head_count_kv) -> None:
-    writer.add_block_count(cfg.num_hidden_layers)
+def _common_metadata(writer, cfg, head_count_kv, block_count: int | None = None) -> None:
+    writer.add_block_count(block_count or cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_head_count(cfg.num_attention_heads)

@@ -24,6 +24,8 @@ What the converter changed, and how it is undone here:
                    `experts.gate_up_proj` / `experts.down_proj` the HF path reads
                an MTP block appended as extra blocks (`nextn_predict_layers`) -> not loaded
                (the HF path drops `mtp.*` likewise)
+               which layers attend: `attention.recurrent_layers` (newer converters) or
+                   `full_attention_interval`, as llama.cpp decides
 
 Anything that does not fit (another architecture, a missing tensor, a tensor of the wrong shape,
 a tensor nothing reads, metadata we do not implement) is refused at load, by name.
@@ -196,8 +198,7 @@ def _qwen3next_config(meta: GgufMetadata, store: GgufTensors) -> HybridConfig:
     # an MTP block, when the converter kept it, is counted in block_count
     num_layers = meta.int("block_count") - meta.int("nextn_predict_layers", 0)
     common = _common_fields(meta, store, num_layers)
-    interval = meta.int("full_attention_interval", 4)
-    kinds = tuple("attention" if (i + 1) % interval == 0 else "deltanet" for i in range(num_layers))
+    kinds = _qwen3next_layer_kinds(meta, num_layers)
     num_v_heads, inner = meta.int("ssm.time_step_rank"), meta.int("ssm.inner_size")
     if inner % num_v_heads:
         raise ValueError(f"GGUF qwen3next: ssm.inner_size {inner} is not a multiple of "
@@ -219,6 +220,22 @@ def _qwen3next_config(meta: GgufMetadata, store: GgufTensors) -> HybridConfig:
         num_experts=num_experts if moe else 0,
         num_experts_per_tok=meta.int("expert_used_count", 0) if moe else 0,
         norm_topk_prob=bool(meta.value("expert_weights_norm", True)), moe_layers=moe)
+
+
+def _qwen3next_layer_kinds(meta: GgufMetadata, num_layers: int) -> tuple[str, ...]:
+    """llama.cpp's rule: the per-block flags `attention.recurrent_layers` when present (newer
+    converters; entries past the trunk belong to MTP blocks), else every
+    `full_attention_interval`-th layer attends and the others are DeltaNet layers."""
+    recurrent = meta.value("attention.recurrent_layers", None)
+    if recurrent is None:
+        interval = meta.int("full_attention_interval", 4)
+        recurrent = [(i + 1) % interval != 0 for i in range(num_layers)]
+    elif not isinstance(recurrent, (list, tuple)):
+        recurrent = [recurrent] * num_layers
+    if len(recurrent) < num_layers:
+        raise ValueError(f"GGUF qwen3next: attention.recurrent_layers has {len(recurrent)} "
+                         f"entries for {num_layers} layers")
+    return tuple("deltanet" if r else "attention" for r in recurrent[:num_layers])
 
 
 def _check_routing(meta: GgufMetadata, num_experts: int) -> None:
@@ -250,10 +267,12 @@ def _renamed(store: GgufTensors, i: int, hf_prefix: str, names: dict) -> dict:
             for hf, (gg, shape) in names.items()}
 
 
-def _attention_names(c: HybridConfig, q_rows: int, q_norm: str, k_norm: str, out: str) -> dict:
+def _attention_names(c: HybridConfig, q_rows: int, q_norm: str, k_norm: str,
+                     out: str) -> dict:
     h, kv = c.hidden_size, c.num_kv_heads * c.head_dim
     return {"q_proj.weight": ("attn_q.weight", (q_rows, h)),
-            "k_proj.weight": ("attn_k.weight", (kv, h)), "v_proj.weight": ("attn_v.weight", (kv, h)),
+            "k_proj.weight": ("attn_k.weight", (kv, h)),
+            "v_proj.weight": ("attn_v.weight", (kv, h)),
             out: ("attn_output.weight", (h, c.num_heads * c.head_dim)),
             q_norm: ("attn_q_norm.weight", (c.head_dim,)),
             k_norm: ("attn_k_norm.weight", (c.head_dim,))}

@@ -1,7 +1,7 @@
 """Hybrid models from GGUF files as llama.cpp's converter writes them (`hybrid_gguf_writer`:
 its names, metadata and value transforms): logits equal transformers' on the model the file came
-from, Q8_0 files load exactly, the engine generates from them, and files that do not fit are
-refused by name."""
+from, F16 / BF16 / Q8_0 files load exactly, the engine generates from them, and files that do
+not fit are refused by name."""
 import os
 import sys
 
@@ -25,9 +25,12 @@ MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
 VARIANTS = {
     # name: (family, transformers config overrides); 4 layers, hidden 128
     "lfm2": ("lfm2", {}),  # conv, attention, conv, attention
-    # llama.cpp writes MoE Qwen3-Next only; a dense one uses the names its graph's dense branch reads
+    # llama.cpp writes MoE Qwen3-Next only; a dense one takes the names its dense branch reads
     "qwen3_next_dense": ("qwen3_next", {}),
     "qwen3_next_moe": ("qwen3_next", MOE),  # every layer MoE, as llama.cpp requires
+    # attention at layers 1 and 3: only `attention.recurrent_layers` says so (the interval is 4)
+    "qwen3_next_layer_types": ("qwen3_next", dict(MOE, layer_types=[
+        "linear_attention", "full_attention", "linear_attention", "full_attention"])),
 }
 
 
@@ -45,7 +48,8 @@ def hf_models(tmp_path_factory):
     out = {}
     for name, (family, overrides) in VARIANTS.items():
         folder = tmp_path_factory.mktemp(name)
-        out[name] = save_hf_model(folder, family, seed=0, num_layers=4, hidden=128, **overrides), folder
+        hf = save_hf_model(folder, family, seed=0, num_layers=4, hidden=128, **overrides)
+        out[name] = hf, folder
     return out
 
 
@@ -68,13 +72,26 @@ def max_dev(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item()
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", ["lfm2", "qwen3_next_dense", "qwen3_next_moe"])
 def test_fp32_gguf_logits_match_transformers(hf_models, variant):
     """Every position of a 1- and a 50-token prompt (token-by-token and chunked delta rule)."""
     hf, folder = hf_models[variant]
     ours = from_gguf(write_gguf(hf, folder / "f32.gguf"))
     for ids in (tokens(1, seed=1), tokens(50, seed=2)):
         assert max_dev(logits(ours, ids), hf_logits(hf, ids)) < TOL
+
+
+def test_newer_converter_file_with_mtp_block_loads_the_trunk(hf_models):
+    """A file as newer converters write it: per-layer `attention.recurrent_layers` flags (here
+    not the interval's pattern) and an MTP block appended as blk.4 (nextn_predict_layers = 1),
+    which the target skips."""
+    hf, folder = hf_models["qwen3_next_layer_types"]
+    path = write_gguf(hf, folder / "mtp.gguf", mtp_block=True)
+    loaded = load_model(path)
+    assert loaded.config.layer_kinds == ("deltanet", "attention") * 2
+    ours = hybrid_model(loaded.config, loaded.weights)
+    ids = tokens(40, seed=4)
+    assert max_dev(logits(ours, ids), hf_logits(hf, ids)) < TOL
 
 
 def rounded_to(hf, qtype: str):
@@ -142,6 +159,8 @@ REFUSALS = [
     # a conv kernel left unsqueezed [hidden, 1, K]: not what llama.cpp writes
     ("lfm2", None, replace("blk.0.shortconv.conv.weight", lambda d: d[:, None, :]), ValueError,
      "'blk.0.shortconv.conv.weight' has shape"),
+    # layers that do not follow full_attention_interval, without recurrent_layers flags
+    ("qwen3_next_layer_types", None, None, ValueError, "missing tensor 'blk.1.ssm_a'"),
     # the decay exp(A_log) written without llama.cpp's minus sign
     ("qwen3_next_dense", None, replace("blk.0.ssm_a", lambda d: -d), ValueError, "blk.0.ssm_a"),
 ]
