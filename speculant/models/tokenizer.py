@@ -150,10 +150,15 @@ def _token_text(token) -> str | None:
 
 
 def _gguf_tokenizer_files(path: str) -> TokenizerFiles:
+    return _hf_folder_files(gguf_tokenizer_folder(path))
+
+
+def gguf_tokenizer_folder(path: str) -> str:
+    """An HF tokenizer folder made once from a GGUF file's tokenizer (cached)."""
     folder = os.path.join(cache_root(), "tokenizers", file_key(path))
     if not os.path.exists(os.path.join(folder, "tokenizer.json")):
         _convert_gguf_tokenizer(path, folder)
-    return _hf_folder_files(folder)
+    return folder
 
 
 def _convert_gguf_tokenizer(path: str, folder: str) -> None:
