@@ -27,15 +27,23 @@ def test_converges_to_plain_when_drafting_never_pays():
     assert tail.count(0) >= 95  # the rest: re-measuring the others, rarer and rarer
 
 
+FINE = dict(grid=(0, 1, 2, 4, 8, 16))
+
+
+def test_default_grid_is_whether_to_draft_at_all():
+    assert SpecTuner(TunerConfig(), max_n=16).grid == (0, 16)
+    assert SpecTuner(TunerConfig(), max_n=5).grid == (0, 5)
+
+
 def test_converges_to_long_drafts_when_they_pay():
-    tuner = SpecTuner(TunerConfig(), max_n=16)
+    tuner = SpecTuner(TunerConfig(**FINE), max_n=16)
     run_bandit(tuner, lambda n: 100 + 10 * n, steps=200)
     assert tuner.best(1) == 16
 
 
 def test_follows_a_workload_that_changes():
     """Smoothed goodput and neighbour probes move the choice when the best limit changes."""
-    tuner = SpecTuner(TunerConfig(), max_n=16)
+    tuner = SpecTuner(TunerConfig(**FINE), max_n=16)
     run_bandit(tuner, lambda n: 100 + 10 * n, steps=150)
     run_bandit(tuner, lambda n: 100 - 3 * n, steps=600)
     assert tuner.best(1) <= 1
@@ -52,7 +60,7 @@ def test_buckets_are_tuned_apart_and_grid_respects_the_engine_limit():
 
 
 @pytest.mark.parametrize("bad", [dict(grid=(-1, 2)), dict(min_pulls=0), dict(smoothing=0.0),
-                                 dict(explore_every=512), dict(margin=1.5)])
+                                 dict(explore_every=2048), dict(margin=1.5)])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError, match="tuner"):
         TunerConfig(**bad)
@@ -109,6 +117,6 @@ def test_noise_around_equal_goodput_keeps_the_untuned_limit():
     import random
 
     rng = random.Random(0)
-    tuner = SpecTuner(TunerConfig(), max_n=16)
+    tuner = SpecTuner(TunerConfig(**FINE), max_n=16)
     run_bandit(tuner, lambda n: 1000 * (1 + rng.uniform(-0.02, 0.02)), steps=500)
     assert tuner.best(1) == 16 and tuner.summary()["1"]["num_switches_off"] == 0
