@@ -67,6 +67,38 @@ def test_parallel_drafting_one_forward_per_draft_position(self_draft_engine):
             spec.end(100 + i)
 
 
+def test_long_catch_up_restarts_the_draft_context_on_its_last_tokens(self_draft_engine):
+    """More than context_tokens pending: the draft evaluates only the last context_tokens of the
+    history (positions from 0); a short catch-up afterwards extends that context."""
+    from speculant.speculators.base import DraftParams, DraftRequest
+
+    spec: DraftModelSpeculator = self_draft_engine.speculator("draft")
+    window = spec.config.context_tokens
+    tok = self_draft_engine.tokenizer
+    history = tok.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 90))
+    assert len(history) > 2 * window
+    spec.begin(200, history)
+    try:
+        [first] = spec.draft([DraftRequest(200, history, DraftParams(n_max=4))]).values()
+        assert spec._offset[200] == len(history) - window
+        assert len(spec._cached[200]) == window + len(first) - 1  # the last draft is not fed
+        grown = history + first.token_ids[:2] + [tok.encode(" cat")[0]]
+        [second] = spec.draft([DraftRequest(200, grown, DraftParams(n_max=4))]).values()
+        assert spec._offset[200] == len(history) - window  # extended, not restarted
+        assert spec._cached[200][:window + 3] == grown[len(history) - window:]
+        assert len(second) == 4
+    finally:
+        spec.end(200)
+
+
+def test_windowed_draft_on_a_long_prompt_is_exact_and_still_accepted(self_draft_engine):
+    long_prompt = "Repeat this text: " + " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
+    plain = run(self_draft_engine, [long_prompt], SpecParams(enabled=False))
+    spec = run(self_draft_engine, [long_prompt], SpecParams())
+    assert spec[0].output_ids == plain[0].output_ids
+    assert spec[0].spec.num_accepted_tokens > spec[0].spec.num_draft_tokens // 2
+
+
 def test_random_draft_accepts_little_and_output_stays_exact(tmp_path, default_tokenizer_dir):
     save_tiny_hf_model(tmp_path, default_tokenizer_dir, "llama", seed=3)
     engine = Engine(model="default", spec_type=["draft"], spec_options={"draft": {"model": str(tmp_path)}},
