@@ -53,10 +53,33 @@ def test_buckets_are_tuned_apart_and_grid_respects_the_engine_limit():
     tuner = SpecTuner(TunerConfig(grid=(0, 2, 8, 32)), max_n=8)
     assert tuner.grid == (0, 2, 8)
     run_bandit(tuner, lambda n: 100 + n, steps=60, num_decoding=1)
-    run_bandit(tuner, lambda n: 100 - n, steps=60, num_decoding=8)
+    run_bandit(tuner, lambda n: 100 - n, steps=300, num_decoding=8)
     assert (tuner.best(1), tuner.best(8)) == (8, 0)
     assert concurrency_bucket(3) == 4 and concurrency_bucket(100) == 32
     assert set(tuner.summary()) == {"1", "8"}
+
+
+def test_a_new_bucket_starts_from_its_neighbours_choice_without_measuring():
+    """Once bucket 1 settled on plain decoding, bucket 2 starts there: no drafting steps until
+    its first re-measurement."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    run_bandit(tuner, lambda n: 100 - 3 * n, steps=100, num_decoding=1)
+    assert tuner.best(1) == 0
+    choices = run_bandit(tuner, lambda n: 100 - 3 * n, steps=8, num_decoding=2)
+    assert choices == [0] * 8 and tuner.best(2) == 0
+
+
+def test_an_arm_far_behind_is_re_measured_rarer():
+    """Drafting at half plain's goodput: after the switch to plain, the gaps between drafting
+    probes grow 4x (a losing draft model's probes are its costliest steps); an arm within the
+    margin is re-measured at gaps that only double."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    probes = [i for i, n in enumerate(run_bandit(tuner, lambda n: 50 if n else 100, 3000)) if n]
+    gaps = [b - a for a, b in zip(probes, probes[1:])][4:]  # after the measuring phase
+    assert gaps == [8, 32, 128, 512, 1024, 1024]
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    plain = [i for i, n in enumerate(run_bandit(tuner, lambda n: 98 if n else 100, 3000)) if not n]
+    assert [b - a for a, b in zip(plain, plain[1:])][4:8] == [8, 16, 32, 64]
 
 
 @pytest.mark.parametrize("bad", [dict(grid=(-1, 2)), dict(min_pulls=0), dict(smoothing=0.0),
