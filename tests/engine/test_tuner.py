@@ -69,14 +69,23 @@ def test_a_new_bucket_starts_from_its_neighbours_choice_without_measuring():
     assert choices == [0] * 8 and tuner.best(2) == 0
 
 
+def test_a_decisive_loss_switches_to_plain_after_one_step():
+    """Drafting at a fifth of plain's goodput (a draft model catching up on its prompts) is
+    not measured four times: one step each decides, then only rare re-measurements."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    choices = run_bandit(tuner, lambda n: 20 if n else 100, steps=40)
+    assert choices[:2] == [0, 16] and choices[2:].count(16) <= 2 and tuner.best(1) == 0
+
+
 def test_an_arm_far_behind_is_re_measured_rarer():
     """Drafting at half plain's goodput: after the switch to plain, the gaps between drafting
     probes grow 4x (a losing draft model's probes are its costliest steps); an arm within the
     margin is re-measured at gaps that only double."""
     tuner = SpecTuner(TunerConfig(), max_n=16)
     probes = [i for i, n in enumerate(run_bandit(tuner, lambda n: 50 if n else 100, 3000)) if n]
-    gaps = [b - a for a, b in zip(probes, probes[1:])][4:]  # after the measuring phase
-    assert gaps == [8, 32, 128, 512, 1024, 1024]
+    gaps = [b - a for a, b in zip(probes, probes[1:])][1:]  # from the first re-measurement
+    assert gaps[0] == 8 and all(b == min(4 * a, 1024) for a, b in zip(gaps, gaps[1:]))
+    assert gaps[-1] == 1024
     tuner = SpecTuner(TunerConfig(), max_n=16)
     plain = [i for i, n in enumerate(run_bandit(tuner, lambda n: 98 if n else 100, 3000)) if not n]
     assert [b - a for a, b in zip(plain, plain[1:])][4:8] == [8, 16, 32, 64]
