@@ -53,7 +53,7 @@ def test_buckets_are_tuned_apart_and_grid_respects_the_engine_limit():
     tuner = SpecTuner(TunerConfig(grid=(0, 2, 8, 32)), max_n=8)
     assert tuner.grid == (0, 2, 8)
     run_bandit(tuner, lambda n: 100 + n, steps=60, num_decoding=1)
-    run_bandit(tuner, lambda n: 100 - n, steps=300, num_decoding=8)
+    run_bandit(tuner, lambda n: 100 - n, steps=1500, num_decoding=8)  # inherits 8, re-measures
     assert (tuner.best(1), tuner.best(8)) == (8, 0)
     assert concurrency_bucket(3) == 4 and concurrency_bucket(100) == 32
     assert set(tuner.summary()) == {"1", "8"}
