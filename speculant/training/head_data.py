@@ -289,9 +289,10 @@ def _to_shard(results, layers: list[int]) -> FeatureShard:
 class FeatureCache:
     """`DIR/head_cache/`: shards, the held-out shard and a manifest (written last, atomically)."""
 
-    def __init__(self, folder: str, spec: FeatureSpec):
+    def __init__(self, folder: str, spec: FeatureSpec, any_seed: bool = False):
         self.folder = folder
         self.spec = spec
+        self.any_seed = any_seed  # an extra cache: the same data spec with its own work list
         self.manifest = self._read_manifest()
 
     def _read_manifest(self) -> dict:
@@ -307,9 +308,12 @@ class FeatureCache:
                              f"{cached_layers}, this run needs layers {self.spec.layers} (the "
                              f"cache was made for another --kind or --aux-layers); use another "
                              f"--data-dir or --out, or remove the cache")
-        if manifest["spec"] != dataclasses.asdict(self.spec):
+        wanted = dataclasses.asdict(self.spec)
+        if self.any_seed:
+            wanted["seed"] = manifest["spec"].get("seed")
+        if manifest["spec"] != wanted:
             raise ValueError(f"{self.folder}: cached data were made with another spec "
-                             f"({_spec_diff(manifest['spec'], dataclasses.asdict(self.spec))}); "
+                             f"({_spec_diff(manifest['spec'], wanted)}); "
                              f"use another --out or remove the cache")
         return manifest
 
@@ -387,6 +391,28 @@ def _load_shard(path: str) -> FeatureShard:
 def _spec_diff(old: dict, new: dict) -> str:
     return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
                      for k in new if old.get(k) != new.get(k))
+
+
+def load_with_extra(cache: FeatureCache, extra_folders: list[str]) -> FeatureSet:
+    """`cache`'s data plus the training shards of other caches made with the same spec but
+    another --seed (so another work list: e.g. two generators run side by side, one per core,
+    or sessions that each add data). The held-out set is `cache`'s."""
+    data = cache.load()
+    for folder in extra_folders:
+        extra = FeatureCache(folder, cache.spec, any_seed=True)
+        if not extra.manifest["shards"]:
+            raise ValueError(f"{folder}: --extra-data holds no generated shards")
+        if extra.manifest["spec"]["seed"] == cache.spec.seed:
+            raise ValueError(f"{folder}: --extra-data was made with the same --seed "
+                             f"{cache.spec.seed} (the same prompts); use another seed")
+        more = extra.load()
+        data.shards.extend(more.shards)
+        for key in ("shards", "sequences", "tokens", "generated_tokens", "generation_time_s",
+                    "items"):
+            data.info[key] = round(data.info[key] + more.info[key], 1)
+    if extra_folders:
+        data.info["extra_data"] = list(extra_folders)
+    return data
 
 
 # ---- the whole data step ----------------------------------------------------------------------

@@ -79,6 +79,50 @@ def draft_vocab(generated: torch.Tensor, size: int, eos_id: int | None,
     return chosen.sort().values, counts
 
 
+def extend_vocab(kept: torch.Tensor, counts: torch.Tensor, size: int,
+                 eos_id: int | None) -> torch.Tensor:
+    # kept [k] target ids of a warm-start head's draft vocabulary; counts [vocab] generated
+    """-> [size] ascending target ids: every kept id, then the most generated others (EOS
+    first if missing), so a warm-started head keeps what it learned and gains coverage."""
+    if size < len(kept):
+        raise ValueError(f"train-head: --draft-vocab {size} is smaller than the initial head's "
+                         f"draft vocabulary ({len(kept)} tokens); use --draft-vocab >= {len(kept)}")
+    taken = torch.zeros_like(counts, dtype=torch.bool)
+    taken[kept] = True
+    room = size - len(kept)
+    extra = [] if eos_id is None or bool(taken[eos_id]) or room == 0 else [eos_id]
+    taken[extra] = True
+    order = torch.argsort(counts, descending=True, stable=True)
+    fresh = order[~taken[order]][:room - len(extra)]
+    return torch.cat([kept, torch.tensor(extra, dtype=torch.int64), fresh]).sort().values
+
+
+def warm_start(head, start, vocab_rows: tuple[str, ...]) -> dict:
+    """Copy `start`'s parameters into `head` (same kind and shapes); parameters with one row per
+    draft token (`vocab_rows`) are remapped by target id, rows of tokens `start` lacked keep
+    `head`'s own init. Returns counts for the recipe."""
+    if tuple(start.capture_layers) != tuple(head.capture_layers):
+        raise ValueError(f"train-head: --init-head reads target layers {start.capture_layers}, "
+                         f"this run's head reads {head.capture_layers} (see --aux-layers)")
+    ids_new = head.draft_to_target(torch.arange(head.config.draft_vocab_size))
+    ids_old = start.draft_to_target(torch.arange(start.config.draft_vocab_size))
+    slot = torch.full((int(max(ids_new.max(), ids_old.max())) + 1,), -1, dtype=torch.int64)
+    slot[ids_old] = torch.arange(len(ids_old))
+    src_rows = slot[ids_new]  # [draft_vocab] row of `start` per new row, -1 when absent
+    kept = src_rows >= 0
+    old = dict(start.named_parameters())
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name in vocab_rows:
+                p[kept] = old[name][src_rows[kept]].to(p.dtype)
+            elif tuple(old[name].shape) != tuple(p.shape):
+                raise ValueError(f"train-head: --init-head's {name} has shape "
+                                 f"{list(old[name].shape)}, this head needs {list(p.shape)}")
+            else:
+                p.copy_(old[name])
+    return {"kept_vocab_rows": int(kept.sum()), "new_vocab_rows": int((~kept).sum())}
+
+
 def coverage(ids: torch.Tensor, counts: torch.Tensor, size: int,
              target: float = 0.95) -> tuple[float, int | None]:
     # ids [n] held-out target tokens; counts [vocab] training counts
@@ -154,9 +198,17 @@ class HeadFit:
         generated = torch.cat([torch.roll(s.token_ids, -1)[s.next_is_output] for s in data.shards])
         ids, self.counts = draft_vocab(generated, cfg.draft_vocab, eos_id, tc.vocab_size)
         self.checkpoint = _read_checkpoint(cfg.out, cfg.kind) if not cfg.fresh else None
+        start, self.warm_info = None, None
         if self.checkpoint is not None:
             ids = self.checkpoint["draft_ids"]
+        elif cfg.init_head:  # a warm start: its vocabulary kept, extended to --draft-vocab
+            start = self.kind.load_head(cfg.init_head, tc, parts)
+            kept = start.draft_to_target(torch.arange(start.config.draft_vocab_size))
+            ids = extend_vocab(kept, self.counts, cfg.draft_vocab, eos_id)
         self.head = self.kind.new_head(cfg, tc, parts, ids)
+        if start is not None:
+            self.warm_info = {"from": cfg.init_head, **_recipe_summary(cfg.init_head),
+                              **warm_start(self.head, start, self.kind.vocab_rows)}
         self.label_head = parts.lm_head[ids].contiguous()  # [draft_vocab, d]
         self.layers = self.head.capture_layers
         self.heldout = heldout_rows(data.heldout, data.heldout_categories, cfg.seq_len)
@@ -297,6 +349,7 @@ class HeadFit:
                             "heldout_coverage_all_generated": ever,
                             "generated_distinct": int((self.counts > 0).sum())},
             "train": self.train_info,
+            **({"init_head": self.warm_info} if self.warm_info else {}),
             "heldout": dict(metrics, categories=self.data.heldout_categories and
                             sorted(set(self.data.heldout_categories)),
                             agreement_init=self.metrics_init["first_token_agreement"]),
@@ -331,6 +384,20 @@ def check_checkpoint_kind(checkpoint: dict, kind: str, path: str) -> None:
     if found != kind:
         raise ValueError(f"train-head: {path} is a checkpoint of a {found} head, not {kind}; "
                          f"use another --out or --fresh")
+
+
+def _recipe_summary(folder: str) -> dict:
+    """What made a warm-start head (its recipe's command, data and held-out figures), so a
+    head trained over several sessions keeps its whole lineage in recipe.json."""
+    import json
+
+    try:
+        with open(os.path.join(folder, "recipe.json")) as f:
+            recipe = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    keep = ("command", "data", "train", "heldout", "init_head", "machine", "data_commands")
+    return {"recipe": {k: recipe[k] for k in keep if k in recipe}}
 
 
 def _mean(history: list[tuple[float, float]]) -> float | None:

@@ -65,6 +65,13 @@ class HeadKind(ABC):
     def describe(self, head) -> dict:
         """Kind-specific facts about a trained head, for recipe.json."""
 
+    @abstractmethod
+    def load_head(self, path: str, target_config, parts: TargetParts):
+        """A trained head of this kind from a folder (a warm start, `--init-head`)."""
+
+    # parameters with one row per draft-vocabulary token (remapped, not copied, on a warm start)
+    vocab_rows: tuple[str, ...] = ()
+
 
 class Eagle3Kind(HeadKind):
     name = "eagle3"
@@ -85,6 +92,11 @@ class Eagle3Kind(HeadKind):
     def describe(self, head: Eagle3Head) -> dict:
         return {"aux_layer_ids": list(head.config.aux_layer_ids),
                 "lm_head": "draft-vocabulary rows, trained from the target's"}
+
+    def load_head(self, path: str, target_config, parts: TargetParts) -> Eagle3Head:
+        return Eagle3Head.load(path, target_config, parts.embed)
+
+    vocab_rows = ("lm_head.weight",)
 
 
 class MtpKind(HeadKind):
@@ -107,6 +119,10 @@ class MtpKind(HeadKind):
         restricted = head.lm_head_rows is not None
         return {"lm_head": ("the target's draft-vocabulary rows, frozen (stored)" if restricted
                             else "the target's, frozen (not stored)")}
+
+    def load_head(self, path: str, target_config, parts: TargetParts) -> MtpHead:
+        return MtpHead.load(path, target_config, DenseEmbedding(parts.embed),
+                            lambda x: x @ parts.lm_head.T)
 
 
 HEAD_KINDS: dict[str, HeadKind] = {k.name: k for k in (Eagle3Kind(), MtpKind())}

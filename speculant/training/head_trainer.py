@@ -78,6 +78,8 @@ class HeadTrainConfig:
     steps: int = 0  # 0 = until the time budget
     time_budget_min: float = 40.0
     fresh: bool = False  # ignore a checkpoint in OUT
+    init_head: str | None = None  # warm start from a trained head folder of the same kind
+    extra_data: list[str] = field(default_factory=list)  # more caches (same spec, other --seed)
     threads: int | None = None
     seed: int = 0
 
@@ -119,8 +121,8 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
         elif isinstance(default, list) or f.name == "aux_layers":
             p.add_argument(flag, default=None if default is None else ",".join(map(str, default)),
                            help="comma separated")
-        elif f.name in ("data_dir", "threads"):
-            p.add_argument(flag, default=None, type=str if f.name == "data_dir" else int)
+        elif f.name in ("data_dir", "threads", "init_head"):
+            p.add_argument(flag, default=None, type=int if f.name == "threads" else str)
         else:
             p.add_argument(flag, default=default, type=type(default))
 
@@ -129,7 +131,7 @@ def config_from_args(args) -> HeadTrainConfig:
     kw = {}
     for f in dataclasses.fields(HeadTrainConfig):
         value = getattr(args, f.name)
-        if f.name in ("train_categories", "heldout_categories"):
+        if f.name in ("train_categories", "heldout_categories", "extra_data"):
             value = [v for v in value.split(",") if v]
         elif f.name == "aux_layers" and value is not None:
             value = [int(v) for v in value.split(",") if v]
@@ -160,7 +162,7 @@ def run_train_head(args) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     from speculant.models.loader import load_model
-    from speculant.training.head_data import generate_data
+    from speculant.training.head_data import generate_data, load_with_extra
 
     target = load_model(cfg.model)
     spec = feature_spec(cfg, target.config)
@@ -173,7 +175,7 @@ def run_train_head(args) -> int:
           file=sys.stderr, flush=True)
     if cfg.generate_only:
         return 0
-    data = cache.load()
+    data = load_with_extra(cache, cfg.extra_data)
     # 2) the draft vocabulary, then the head (resumed from a checkpoint in OUT when present)
     from speculant.models.loader import resolve_model
     from speculant.models.tokenizer import load_tokenizer

@@ -11,8 +11,8 @@ import torch
 
 from conftest import TEST_THREADS, decode_all
 from speculant.training import head_data
-from speculant.training.head_fit import (check_checkpoint_kind, coverage, draft_vocab, soft_ce,
-                                         target_probs)
+from speculant.training.head_fit import (check_checkpoint_kind, coverage, draft_vocab,
+                                         extend_vocab, soft_ce, target_probs, warm_start)
 from speculant.training.head_trainer import add_train_head_args, run_train_head
 from speculant.training.ttt_attention import row_mask, ttt_attention
 
@@ -133,6 +133,98 @@ def test_mtp_head_over_the_whole_vocabulary_uses_the_target_lm_head(tiny_head, t
         assert "lm_head.weight" not in f.keys()
     head = MtpHead.load(str(tmp_path), target.config)
     assert head.lm_head_rows is None and head.config.draft_vocab_size == target.config.vocab_size
+
+
+def test_init_head_warm_starts_from_a_trained_head(tiny_head, tmp_path):
+    """--init-head: a fresh OUT starts from the trained head (its held-out agreement at init
+    is the trained head's; a larger --draft-vocab keeps its tokens), and records its lineage."""
+    from safetensors.torch import load_file
+
+    kind, out, recipe, prompts = tiny_head
+    new = tmp_path / "warm"
+    assert train_head("--kind", kind, "--out", str(new), "--data-dir",
+                      os.path.join(out, "head_cache"), "--prompts", prompts, *TINY,
+                      "--steps", "0", "--time-budget-min", "0", "--init-head", out,
+                      "--draft-vocab", "80") == 0
+    with open(new / "recipe.json") as f:
+        warm = json.load(f)
+    assert warm["train"]["steps"] == 0 and not warm["train"]["resumed"]
+    assert warm["init_head"]["from"] == out
+    assert warm["init_head"]["recipe"]["command"] == recipe["command"]
+    assert warm["init_head"]["kept_vocab_rows"] + warm["init_head"]["new_vocab_rows"] == 80
+    old, now = load_file(os.path.join(out, "model.safetensors")), \
+        load_file(str(new / "model.safetensors"))
+    shared = [k for k in old if k in now and old[k].shape == now[k].shape and "d2t" not in k
+              and "t2d" not in k and "lm_head" not in k]
+    assert shared and all(torch.equal(old[k], now[k]) for k in shared)
+    if kind == "eagle3":  # the old draft tokens keep their rows of the trained LM head
+        old_ids = torch.arange(64) + old["d2t"]
+        new_ids = torch.arange(80) + now["d2t"]
+        assert set(old_ids.tolist()) <= set(new_ids.tolist())
+        pos = {t: i for i, t in enumerate(new_ids.tolist())}
+        rows = torch.tensor([pos[t] for t in old_ids.tolist()])
+        assert torch.equal(now["lm_head.weight"][rows], old["lm_head.weight"])
+        assert warm["init_head"]["kept_vocab_rows"] == 64
+    with pytest.raises(ValueError, match="smaller than the initial head's"):
+        train_head("--kind", kind, "--out", str(tmp_path / "small"), "--data-dir",
+                   os.path.join(out, "head_cache"), "--prompts", prompts, *TINY,
+                   "--init-head", out, "--draft-vocab", "8")
+
+
+def test_extra_data_of_another_seed_is_trained_on(tiny_head, tmp_path):
+    """--extra-data: a cache generated with another --seed (another work list) adds its shards;
+    the same seed (the same prompts) and another data spec are refused by name."""
+    kind, out, recipe, prompts = tiny_head
+    extra = str(tmp_path / "extra")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(head_data, "sharegpt_human_turns", lambda limit=None: FAKE_SHAREGPT)
+        assert train_head("--kind", kind, "--out", extra, "--prompts", prompts, *TINY,
+                          "--seed", "1", "--generate-only") == 0
+    with open(os.path.join(extra, "head_cache", "manifest.json")) as f:
+        extra_tokens = sum(s["tokens"] for s in json.load(f)["shards"])
+    new = tmp_path / "both"
+    assert train_head("--kind", kind, "--out", str(new), "--data-dir",
+                      os.path.join(out, "head_cache"), "--prompts", prompts, *TINY,
+                      "--extra-data", os.path.join(extra, "head_cache")) == 0
+    with open(new / "recipe.json") as f:
+        both = json.load(f)["data"]
+    assert both["tokens"] == recipe["data"]["tokens"] + extra_tokens
+    assert both["extra_data"] == [os.path.join(extra, "head_cache")]
+    with pytest.raises(ValueError, match="same --seed"):
+        train_head("--kind", kind, "--out", str(tmp_path / "x"), "--data-dir",
+                   os.path.join(out, "head_cache"), "--prompts", prompts, *TINY,
+                   "--extra-data", os.path.join(out, "head_cache"))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        train_head("--kind", kind, "--out", str(tmp_path / "y"), "--data-dir",
+                   os.path.join(extra, "head_cache"), "--prompts", prompts, *TINY,
+                   "--seed", "1", "--max-new-tokens", "9", "--extra-data",
+                   os.path.join(out, "head_cache"))
+
+
+def test_extend_vocab_keeps_the_old_tokens_and_adds_the_most_generated():
+    counts = torch.tensor([0, 9, 1, 7, 0, 5, 3])
+    assert extend_vocab(torch.tensor([2, 6]), counts, 4, eos_id=None).tolist() == [1, 2, 3, 6]
+    assert extend_vocab(torch.tensor([2, 6]), counts, 4, eos_id=4).tolist() == [1, 2, 4, 6]
+    assert extend_vocab(torch.tensor([2, 6]), counts, 2, eos_id=4).tolist() == [2, 6]
+
+
+def test_warm_start_remaps_vocabulary_rows_by_target_id():
+    from speculant.models.eagle3_head import Eagle3Head
+    from speculant.models.loader import load_model
+
+    config = load_model("default").config
+    start = Eagle3Head.random(config, [3, 10, 20], seed=1)
+    head = Eagle3Head.random(config, [3, 7, 20, 30], seed=2)
+    fresh_rows = head.lm_head.weight.detach().clone()
+    info = warm_start(head, start, ("lm_head.weight",))
+    assert info == {"kept_vocab_rows": 2, "new_vocab_rows": 2}
+    w, w0 = head.lm_head.weight, start.lm_head.weight
+    assert torch.equal(w[0], w0[0]) and torch.equal(w[2], w0[2])  # ids 3 and 20
+    assert torch.equal(w[1], fresh_rows[1]) and torch.equal(w[3], fresh_rows[3])
+    assert torch.equal(head.fc.weight, start.fc.weight)
+    other = Eagle3Head.random(config, [3, 7, 20, 30], seed=2, aux_layer_ids=(3, 15, 27))
+    with pytest.raises(ValueError, match="reads target layers"):
+        warm_start(other, start, ("lm_head.weight",))
 
 
 @pytest.mark.parametrize("saved, wanted, refused", [
