@@ -333,7 +333,12 @@ class HeadFit:
         metrics = self.evaluate()
         size = self.head.save(self.cfg.out)
         held_ids = torch.roll(self.data.heldout.token_ids, -1)[self.data.heldout.next_is_output]
-        share, needed = coverage(held_ids.long(), self.counts, self.cfg.draft_vocab)
+        # the share inside the head's own vocabulary (a warm start's or a checkpoint's is not
+        # just the most generated tokens of this run's data); the size for 95% is this data's
+        in_vocab = torch.zeros(len(self.counts), dtype=torch.bool)
+        in_vocab[self.head.draft_to_target(torch.arange(self.head.config.draft_vocab_size))] = True
+        share = round(float(in_vocab[held_ids.long()].float().mean()), 4)
+        needed = coverage(held_ids.long(), self.counts, self.cfg.draft_vocab)[1]
         ever = round(float((self.counts[held_ids.long()] > 0).float().mean()), 4)
 
         return {
@@ -344,7 +349,8 @@ class HeadFit:
                      "parameters": sum(p.numel() for p in self.head.parameters()),
                      "embedding": "the target's (not stored)", **self.kind.describe(self.head)},
             "data": self.data.info,
-            "draft_vocab": {"size": self.cfg.draft_vocab, "heldout_coverage": share,
+            "draft_vocab": {"size": self.head.config.draft_vocab_size,
+                            "heldout_coverage": share,
                             "tokens_for_95": needed, "heldout_tokens": int(held_ids.numel()),
                             "heldout_coverage_all_generated": ever,
                             "generated_distinct": int((self.counts > 0).sum())},

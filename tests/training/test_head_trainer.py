@@ -154,6 +154,14 @@ def test_init_head_warm_starts_from_a_trained_head(tiny_head, tmp_path):
     assert warm["init_head"]["kept_vocab_rows"] + warm["init_head"]["new_vocab_rows"] == 80
     old, now = load_file(os.path.join(out, "model.safetensors")), \
         load_file(str(new / "model.safetensors"))
+    # coverage is measured on the head's own (kept + extended) vocabulary
+    held = load_file(os.path.join(out, "head_cache", "heldout.safetensors"))
+    held_ids = torch.roll(held["token_ids"], -1)[held["next_is_output"]].long()
+    vocab = set((torch.arange(80) + now["d2t"]).tolist()) if "d2t" in now else None
+    if vocab is not None:
+        share = sum(int(t) in vocab for t in held_ids) / len(held_ids)
+        assert warm["draft_vocab"]["heldout_coverage"] == round(share, 4)
+    assert warm["draft_vocab"]["size"] == 80
     shared = [k for k in old if k in now and old[k].shape == now[k].shape and "d2t" not in k
               and "t2d" not in k and "lm_head" not in k]
     assert shared and all(torch.equal(old[k], now[k]) for k in shared)
