@@ -12,7 +12,8 @@ import torch
 from conftest import TEST_THREADS, decode_all
 from speculant.training import head_data
 from speculant.training.head_fit import (check_checkpoint_kind, coverage, draft_vocab,
-                                         extend_vocab, soft_ce, target_probs, warm_start)
+                                         extend_vocab, quiet_rows, soft_ce, target_probs,
+                                         warm_start)
 from speculant.training.head_trainer import add_train_head_args, run_train_head
 from speculant.training.ttt_attention import row_mask, ttt_attention
 
@@ -214,6 +215,21 @@ def test_extend_vocab_keeps_the_old_tokens_and_adds_the_most_generated():
     assert extend_vocab(torch.tensor([2, 6]), counts, 4, eos_id=None).tolist() == [1, 2, 3, 6]
     assert extend_vocab(torch.tensor([2, 6]), counts, 4, eos_id=4).tolist() == [1, 2, 4, 6]
     assert extend_vocab(torch.tensor([2, 6]), counts, 2, eos_id=4).tolist() == [2, 6]
+
+
+def test_quiet_rows_start_new_tokens_below_the_kept_ones():
+    """A warm start's added tokens get a row whose mean logit is the 1% quantile of the kept
+    tokens' logits: the trained head's argmax is unchanged on almost every position."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 16, generator=gen) + 2.0  # normed outputs share a mean direction
+    weight = torch.randn(40, 16, generator=gen)
+    new_rows = torch.zeros(40, dtype=torch.bool)
+    new_rows[30:] = True
+    row = quiet_rows(weight, new_rows, x)
+    kept_logits = x @ weight[:30].T
+    assert abs(float((x @ row).mean()) - float(torch.quantile(kept_logits.flatten(), 0.01))) < 1e-3
+    weight[new_rows] = row
+    assert float(((x @ weight.T).argmax(-1) < 30).float().mean()) > 0.95
 
 
 def test_warm_start_remaps_vocabulary_rows_by_target_id():
