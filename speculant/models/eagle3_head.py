@@ -343,6 +343,16 @@ class Eagle3Head(nn.Module):
         x = m.post_attention_layernorm(r)
         return r + m.mlp.down_proj(F.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
 
+    def packed_layer(self):
+        """The decoder layer on the target's fused native kernels (`eagle3_layer.py`) once
+        the linears are packed and the kernels run; None otherwise."""
+        from speculant.kernels import native_available
+        from speculant.models.eagle3_layer import PackedEagle3Layer
+
+        if self.rope_cos.device.type != "cpu" or not native_available():
+            return None
+        return PackedEagle3Layer.of(self)
+
     def draft_logits(self, h_out: torch.Tensor) -> torch.Tensor:
         # h_out [T, d] -> [T, draft_vocab]
         return self.lm_head(self.norm(h_out))

@@ -10,6 +10,7 @@ per-step API of `speculators/feature_drafter.py`: `unroll` (training-time test, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import sys
@@ -214,9 +215,12 @@ class HeadFit:
         generated = torch.cat([torch.roll(s.token_ids, -1)[s.next_is_output] for s in data.shards])
         ids, self.counts = draft_vocab(generated, cfg.draft_vocab, eos_id, tc.vocab_size)
         self.checkpoint = _read_checkpoint(cfg.out, cfg.kind) if not cfg.fresh else None
-        start, self.warm_info = None, None
+        start, self.warm_info, self.earlier_run = None, None, None
         if self.checkpoint is not None:
             ids = self.checkpoint["draft_ids"]
+            # a resumed run keeps the lineage of the run that wrote the checkpoint
+            self.earlier_run = _recipe_summary(cfg.out).get("recipe")
+            self.warm_info = (self.earlier_run or {}).get("init_head")
         elif cfg.init_head:  # a warm start: its vocabulary kept, extended to --draft-vocab
             start = self.kind.load_head(cfg.init_head, tc, parts)
             kept = start.draft_to_target(torch.arange(start.config.draft_vocab_size))
@@ -246,7 +250,7 @@ class HeadFit:
     def _quiet_new_rows(self, start) -> None:
         """Rows of the warm start's added tokens (EAGLE-3's trained LM head) start below the
         kept tokens (`quiet_rows`), measured on one training row at step 0."""
-        if not self.kind.vocab_rows or not hasattr(self.head, "norm"):
+        if not self.kind.vocab_rows:
             return
         kept = torch.zeros(self.counts.shape[0], dtype=torch.bool)
         kept[start.draft_to_target(torch.arange(start.config.draft_vocab_size))] = True
@@ -390,6 +394,7 @@ class HeadFit:
                             "generated_distinct": int((self.counts > 0).sum())},
             "train": self.train_info,
             **({"init_head": self.warm_info} if self.warm_info else {}),
+            **({"resumed_run": self.earlier_run} if self.earlier_run else {}),
             "heldout": dict(metrics, categories=self.data.heldout_categories and
                             sorted(set(self.data.heldout_categories)),
                             agreement_init=self.metrics_init["first_token_agreement"]),
@@ -429,14 +434,13 @@ def check_checkpoint_kind(checkpoint: dict, kind: str, path: str) -> None:
 def _recipe_summary(folder: str) -> dict:
     """What made a warm-start head (its recipe's command, data and held-out figures), so a
     head trained over several sessions keeps its whole lineage in recipe.json."""
-    import json
-
     try:
         with open(os.path.join(folder, "recipe.json")) as f:
             recipe = json.load(f)
     except (OSError, ValueError):
         return {}
-    keep = ("command", "data", "train", "heldout", "init_head", "machine", "data_commands")
+    keep = ("command", "data", "train", "heldout", "init_head", "resumed_run", "machine",
+            "data_commands")
     return {"recipe": {k: recipe[k] for k in keep if k in recipe}}
 
 

@@ -35,13 +35,16 @@ def test_fp32_logits_match_transformers(hf):
     assert (forward_logits(model, ids) - ref).abs().max().item() < 1e-3
 
 
-def test_fp32_greedy_64_tokens_identical_to_transformers_on_10_dev_prompts(hf):
+# one dev prompt per category in the default suite, two (10 prompts) in the slow one
+@pytest.mark.parametrize("per_category", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_fp32_greedy_64_tokens_identical_to_transformers_on_dev_prompts(hf, per_category):
     from speculant.llm import LLM
     from speculant.engine.sampling_params import SamplingParams, SpecParams
 
     hf_model, _ = hf
     llm = LLM("default", dtype="float32", max_num_seqs=10)
-    recs = dev_prompts(["mt_bench", "qa", "summarization", "code_completion", "gsm8k"], 2)
+    recs = dev_prompts(["mt_bench", "qa", "summarization", "code_completion", "gsm8k"],
+                       per_category)
     prompts = [first_turn_prompt(r, llm.tokenizer) for r in recs]
     ours = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0,
                                                 spec=SpecParams(enabled=False)))

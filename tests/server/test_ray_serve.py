@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,9 +28,19 @@ REPLICAS = ("speculant-replica-0", "speculant-replica-1")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside the kernel's ephemeral range and Ray's worker ports (10002-19999):
+    Ray's own processes bind ephemeral ports while the cluster starts, and once took the one
+    handed to the HTTP proxy (measured: "Failed to bind to address 127.0.0.1:39185")."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _die_with_parent() -> None:

@@ -61,10 +61,13 @@ def total_variation(counts: dict, joint: dict) -> float:
 def test_rejection_with_head_probabilities_preserves_the_target_law(tmp_path):
     """Drafts sampled from the head (q exposed) and verified by rejection sampling: the
     emitted pairs follow the target's exact joint law."""
-    engine = Engine(model="default", num_threads=TEST_THREADS, max_num_seqs=16,
+    engine = Engine(model="default", num_threads=TEST_THREADS, max_num_seqs=64,
                     kv_cache_tokens=16384)
-    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Pick a random fruit."}]))
+    # A short completion prompt: each request prefills it, and prefill is most of the cost.
+    # Its 4th and 5th logits are >= 0.05 apart at both positions, so the engine's top-4 (its
+    # batched kernels round differently) is the reference's (measured: 0.03 apart for "My
+    # favourite fruit is the", where the engine's top-4 differed).
+    prompt_ids = engine.tokenizer.encode("Q: Name a fruit.\nA:")
     joint = exact_joint(engine.model, prompt_ids)
     # A head whose draft vocabulary is every token of the target's law (both positions): q is
     # spread over all of them while p puts each context's mass on 4, so drafts are accepted,
@@ -73,7 +76,7 @@ def test_rejection_with_head_probabilities_preserves_the_target_law(tmp_path):
     head = Eagle3Head.random(engine.model_config, support, seed=3)
     head.save(str(tmp_path), dtype=torch.float32)
     spec_engine = Engine(model="default", spec_type=["eagle3"], num_threads=TEST_THREADS,
-                         max_num_seqs=16, kv_cache_tokens=16384, max_queue=NUM_REQUESTS,
+                         max_num_seqs=64, kv_cache_tokens=16384, max_queue=NUM_REQUESTS,
                          spec_options={"eagle3": {"head": str(tmp_path), "temperature": 1.0}})
     spec_engine.chain.probe_interval = 0  # no back-off: a draft for every request
     counts = sample_pairs(spec_engine, prompt_ids, SpecParams(verify="rejection", n_max=1))

@@ -130,6 +130,74 @@ def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
     assert first == reference_first_draft(probe.head, features, history)
 
 
+@torch.inference_mode()
+def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
+    """Committed tokens only keep their features: the head runs no forward per step until
+    PENDING_LIMIT entries wait (then one batched forward) or a draft is asked for, and the
+    draft after the catch-up is the head's own full-sequence answer."""
+    from speculant.llm import LLM
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+    from speculant.speculators.feature_drafter import PENDING_LIMIT
+
+    engine = eagle_engine
+    probe = engine.speculator(engine.speculator_names[0])
+    tok = engine.tokenizer
+    history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(
+        " Blue is the colour of a clear sky at noon, of deep water far from the shore, and "
+        "of many flags. Painters mix it with yellow to make green and with red to make "
+        "purple; it is one of the three primary colours of paint.")
+    prompt_len, n = 20, len(history) - 1  # positions 0..n-1 committed, history[n] sampled
+    assert n >= PENDING_LIMIT > prompt_len  # one batched forward on the way
+    feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
+    seq_id = 10**6
+    probe.begin(seq_id, history[:prompt_len])
+    try:
+        forwards = probe.num_draft_forwards
+        probe.process([CommittedTokens(seq_id, 0, history[:prompt_len], history[prompt_len],
+                                       {i: f[:prompt_len] for i, f in feats.items()})])
+        for pos in range(prompt_len, n):  # one decode step each, no draft asked
+            probe.process([CommittedTokens(seq_id, pos, [history[pos]], history[pos + 1],
+                                           {i: f[pos:pos + 1] for i, f in feats.items()})])
+        assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT
+        drafts = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=1))])
+        assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT + 1
+        assert drafts[seq_id].token_ids[0] == reference_first_draft(probe.head, feats, history)
+    finally:
+        probe.end(seq_id)
+
+
+@torch.inference_mode()
+def test_packed_layer_equals_the_reference_maths(eagle_engine):
+    """The head's layer on the target's fused kernels (`PackedEagle3Layer`) gives the outputs and
+    the K/V of the op-by-op reference path, on a ragged batch of two sequences."""
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+
+    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
+    if probe.packed_layer is None:
+        pytest.skip("no packed layer for this head kind (or no native kernels)")
+    layer, cache, d = probe.packed_layer, probe.cache, probe.head.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, d, generator=gen)  # [T, d]: 5 + 4 rows
+    ids = torch.randint(0, eagle_engine.model_config.vocab_size, (9,), generator=gen).tolist()
+    outs = {}
+    for seq_id, packed in ((10**6, layer), (10**6 + 1, None)):  # same rows, own K/V each
+        cache.allocate(seq_id)
+        cache.allocate(seq_id + 2)
+        chunks = [SeqChunk(seq_id, 0, ids[:5], 1), SeqChunk(seq_id + 2, 0, ids[5:], 1)]
+        probe.packed_layer = packed
+        try:
+            batch = build_forward_batch(cache, chunks)
+            outs[packed is not None] = (probe._run_layer(batch, hidden.clone()),
+                                        cache.k[0].view(-1, *cache.k[0].shape[2:])[batch.slot_mapping].float(),
+                                        cache.v[0].view(-1, *cache.v[0].shape[2:])[batch.slot_mapping].float())
+        finally:
+            probe.packed_layer = layer
+            cache.free(seq_id)
+            cache.free(seq_id + 2)
+    for fast, ref in zip(outs[True], outs[False]):
+        assert torch.allclose(fast, ref, atol=1e-4, rtol=1e-4), (fast - ref).abs().max()
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("hidden_size", 1024, "hidden_size 1024"),
     ("vocab_size", 32000, "vocab_size 32000"),

@@ -180,6 +180,25 @@ def test_init_head_warm_starts_from_a_trained_head(tiny_head, tmp_path):
                    "--init-head", out, "--draft-vocab", "8")
 
 
+def test_resumed_warm_start_keeps_its_lineage(tiny_head, tmp_path):
+    """A run resumed from OUT's checkpoint records the run it continues (resumed_run) and keeps
+    that run's init_head, so a head trained over several sittings keeps its whole lineage."""
+    kind, out, _, prompts = tiny_head
+    new = str(tmp_path / "warm")
+    common = ("--kind", kind, "--out", new, "--data-dir", os.path.join(out, "head_cache"),
+              "--prompts", prompts, *TINY, "--steps", "1")
+    assert train_head(*common, "--init-head", out) == 0
+    with open(os.path.join(new, "recipe.json")) as f:
+        first = json.load(f)
+    assert train_head(*common) == 0
+    with open(os.path.join(new, "recipe.json")) as f:
+        second = json.load(f)
+    assert second["train"]["resumed"] and second["train"]["steps"] == 2
+    assert second["init_head"]["from"] == out
+    assert second["resumed_run"]["command"] == first["command"]
+    assert second["resumed_run"]["train"]["steps"] == 1
+
+
 def test_extra_data_of_another_seed_is_trained_on(tiny_head, tmp_path):
     """--extra-data: a cache generated with another --seed (another work list) adds its shards;
     the same seed (the same prompts) and another data spec are refused by name."""
