@@ -214,6 +214,8 @@ class FeatureDrafter(Speculator):
         the newest one the token the target sampled (`next_token`; a prompt chunk that is not
         the last one has none: its last entry waits for the next chunk) and asks for its
         output. None when no entry can be computed."""
+        if not state.tokens:  # every entry computed (its newest output is `last`)
+            return None
         next_ids = state.tokens[1:] + ([state.next_token] if state.next_token is not None else [])
         if not next_ids or not self.cache.can_grow(seq_id, state.cached_len + len(next_ids)):
             return None

@@ -56,12 +56,16 @@ def test_fp32_greedy_64_tokens_identical_to_transformers_on_dev_prompts(hf, per_
         assert out.token_ids == ref[0, ids.shape[1]:].tolist()
 
 
-def test_parity_command_reports_fp32_agreement_and_quantized_deviation(capsys, tmp_path):
+def test_parity_command_reports_fp32_agreement_and_quantized_deviation(hf, capsys, tmp_path,
+                                                                       monkeypatch):
     """`speculant parity` prints a table and a JSON last line; fp32 agrees with transformers to
-    rounding, the shipped quantized weights deviate measurably (int8 activation blocks)."""
+    rounding, the shipped quantized weights deviate measurably (int8 activation blocks). (The
+    transformers model is the module's, loaded once by the same `load_hf_model`.)"""
     import json
 
+    from speculant.bench import hf_peer
     from speculant.cli.main import main
+    monkeypatch.setattr(hf_peer, "load_hf_model", lambda path: hf)
     prompts = tmp_path / "prompts.jsonl"  # its own file: the test runs wherever the repo is
     prompts.write_text(json.dumps({"id": "q1", "category": "qa", "mode": "chat",
                                    "turns": ["Who wrote the novel Moby-Dick?"]}) + "\n")

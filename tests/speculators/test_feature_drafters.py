@@ -65,6 +65,7 @@ def test_greedy_output_equals_plain(eagle_engine, batch):
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     assert sum(s.spec.num_draft_tokens for s in spec) > 0
     assert probe.num_draft_forwards > probe_forwards
+    assert eagle_engine.stats.num_speculator_errors == 0  # no draft round was dropped
 
 
 def test_seeded_sampling_equals_plain(eagle_engine):
@@ -155,9 +156,16 @@ def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
         forwards = probe.num_draft_forwards
         probe.process([CommittedTokens(seq_id, 0, history[:prompt_len], history[prompt_len],
                                        {i: f[:prompt_len] for i, f in feats.items()})])
-        for pos in range(prompt_len, n):  # one decode step each, no draft asked
+        for pos in range(prompt_len, n):  # one decode step each, no draft asked...
             probe.process([CommittedTokens(seq_id, pos, [history[pos]], history[pos + 1],
                                            {i: f[pos:pos + 1] for i, f in feats.items()})])
+            if pos + 1 == PENDING_LIMIT:  # ...but right after the batched forward: nothing waits
+                assert probe.num_draft_forwards - forwards == 1
+                seen = history[:pos + 2]
+                first = probe.draft([DraftRequest(seq_id, seen, DraftParams(n_max=1))])
+                assert probe.num_draft_forwards - forwards == 1
+                assert first[seq_id].token_ids[0] == reference_first_draft(
+                    probe.head, {i: f[:pos + 1] for i, f in feats.items()}, seen)
         assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT
         drafts = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=1))])
         assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT + 1
