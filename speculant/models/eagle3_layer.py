@@ -7,7 +7,7 @@ runs the same layer as the target's layers run (`models/llama.py`): fused QKV an
 projections packed as Q8_0, RoPE with the KV write, paged attention, the residual add fused with
 the next norm: 11 kernel calls. The weights are the head's packed ones (`pack_linears`), so the
 projections are bit-identical to the reference path's; norms and adds round like the target's
-kernels do (within 1e-5 of the reference).
+kernels do (outputs and K/V within 1e-4 of the reference, tested).
 """
 from __future__ import annotations
 

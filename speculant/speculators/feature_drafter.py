@@ -256,8 +256,9 @@ class FeatureDrafter(Speculator):
 
     @torch.inference_mode()
     def draft(self, requests: list[DraftRequest]) -> dict[int, Draft]:
-        """Draft token 1 comes from the newest committed entry (kept by `process`); each
-        further token is one batched forward of draft entries fed with the head's own hidden."""
+        """Draft token 1 comes from the newest committed entry (computed here with the other
+        waiting entries, or kept by `process`); each further token is one batched forward of
+        draft entries fed with the head's own hidden."""
         pending = [self._pending_chunk(r) for r in requests if r.params.n_max > 0]
         self._compute_committed([c for c in pending if c is not None])
         ready = [r for r in requests if self._can_draft(r)]
