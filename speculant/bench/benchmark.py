@@ -156,8 +156,10 @@ def _measure_all(engine, args, methods, groups, levels, threads):
     for category, prompts in groups.items():
         for level in levels:
             runs = {name: [] for name, _ in methods}
-            for _ in range(args.repeats):
-                for name, types in methods:
+            for repeat in range(args.repeats):
+                # odd repeats run the methods in reverse: a machine that drifts (turbo, other
+                # tenants) does not always favour the first method
+                for name, types in (methods if repeat % 2 == 0 else methods[::-1]):
                     bar.set_postfix_str(f"{category} c={level} {name}")
                     engine.set_tuning(_tuned(args, name, types))
                     runs[name].append(_timed_run(engine, args, types, prompts, level, threads,

@@ -16,6 +16,8 @@ PRIOR_ACCEPT = 1.0
 PRIOR_REJECT = 1.0
 # Pseudo-count weight of the speculator-wide estimate inside a sequence's own estimate.
 GLOBAL_WEIGHT = 4.0
+# Pseudo-count weight of a coarser speculator-wide level inside a finer one.
+LEVEL_WEIGHT = 4.0
 
 
 def survival(cond_rates: list[float]) -> list[float]:
@@ -41,20 +43,34 @@ def net_gain(surv: list[float], length: int, cost_per_token: float) -> float:
     return sum(surv[:length]) - cost_per_token * length
 
 
-def conditional_rates(global_counts: AcceptanceCounters, seq_counts: AcceptanceCounters | None,
+def conditional_rates(global_levels: list[AcceptanceCounters], seq_counts: AcceptanceCounters | None,
                       length: int, token_probs: list[float] | None = None) -> list[float]:
     """a_i for i < length.
 
-    Prior: the speculator-wide rate, averaged with the drafter's own confidence in the token
-    (`token_probs`) where it reports one. Evidence: this sequence's own verifications, which
-    override the prior after a few drafts, so a confident drafter that keeps being wrong on
-    this text backs off, and one that keeps being right drafts long.
+    Prior: the speculator-wide evidence, `global_levels` from coarse to fine (each level shrunk
+    towards the one before it, the first towards the Beta prior), averaged with the drafter's
+    own confidence in the token (`token_probs`) where it reports one. Evidence: this
+    sequence's own record, which overrides the prior after a few drafts, so a confident drafter
+    that keeps being wrong on this text backs off, and one that keeps being right drafts long.
     """
     rates = []
     for i in range(length):
-        prior = global_counts.conditional_rate(i, PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT),
-                                   PRIOR_ACCEPT + PRIOR_REJECT)
+        prior, weight = PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT), PRIOR_ACCEPT + PRIOR_REJECT
+        for counts in global_levels:
+            prior, weight = counts.conditional_rate(i, prior, weight), LEVEL_WEIGHT
         if token_probs is not None and i < len(token_probs):
             prior = 0.5 * (prior + token_probs[i])
         rates.append(seq_counts.conditional_rate(i, prior, GLOBAL_WEIGHT) if seq_counts is not None else prior)
     return rates
+
+
+def observed_acceptance(draft: list[int], truth: list[int]) -> tuple[int, int]:
+    """What verifying `draft` would have shown, judged by the tokens the target committed after
+    the same point (`truth`): (positions known, positions accepted). Positions past the end of
+    `truth` are unknown; at temperature > 0 a match with the target's sampled token is what
+    rejection sampling accepts for a one-hot draft."""
+    known = min(len(draft), len(truth))
+    accepted = 0
+    while accepted < known and draft[accepted] == truth[accepted]:
+        accepted += 1
+    return known, accepted

@@ -7,6 +7,15 @@ worth verifying, and keeps the best. The winner is told `accept(n)`, the other p
 estimates, so the chain backs off to shorter drafts or none; every `probe_interval` silent steps a
 one-token probe lets a sequence whose text became predictable win drafts again.
 
+Acceptance is bursty: a copy from the prompt runs for dozens of tokens, then nothing matches.
+So the estimates are kept per *context*, what the speculator's previous proposal for the same
+sequence showed (none, missed, matched every known token), and they learn from every proposal,
+not only from winners: after each step the losing proposals (and those of a round where
+nothing was worth verifying) are scored against the tokens the target committed (a
+counterfactual verification, censored where the committed tokens end). Without it a drafter
+that lost a few early rounds was never measured again: on rag its perfect 12-token copies
+stayed unverified for 15 steps in a row, priced by its failures elsewhere.
+
 The chain also keeps the statistics of each speculator (calls, drafts, tokens, acceptance per
 position, time in each call), as llama.cpp's `common_speculative` does.
 """
@@ -18,6 +27,7 @@ from dataclasses import dataclass, field
 from speculant.speculators.acceptance import (
     conditional_rates,
     net_gain,
+    observed_acceptance,
     survival,
     worth_drafting,
 )
@@ -32,11 +42,33 @@ from speculant.speculators.base import (
 )
 
 
+# Contexts of an acceptance estimate: what the speculator's previous proposal for the sequence
+# showed. A copy that matched keeps matching; a drafter that just missed mostly misses again.
+NO_PROPOSAL, MISSED, MATCHED = 0, 1, 2
+NUM_CONTEXTS = 3
+
+
+def _context_counters() -> list[AcceptanceCounters]:
+    return [AcceptanceCounters() for _ in range(NUM_CONTEXTS)]
+
+
+def _context_after(known: int, accepted: int) -> int:
+    return MATCHED if accepted == known > 0 else MISSED
+
+
 @dataclass(slots=True)
 class _SeqState:
     types: tuple[str, ...]
-    counts: dict[str, AcceptanceCounters] = field(default_factory=dict)
+    # per speculator, per context: this sequence's verified and counterfactual drafts
+    counts: dict[str, list[AcceptanceCounters]] = field(default_factory=dict)
+    context: dict[str, int] = field(default_factory=dict)  # per speculator, for its next draft
     proposers: tuple[str, ...] = ()  # speculators that proposed in the last draft round
+    losers: tuple[Draft, ...] = ()  # the last round's proposals that were not verified, untrimmed
+    winner_tokens: list[int] = field(default_factory=list)  # the winner before it was trimmed
+    # (speculator, context, untrimmed draft, verified length) of a winner accepted in full
+    # whose trimmed tail the sampled token can still judge
+    tail: tuple[str, int, list[int], int] | None = None
+    draft_pos: int = -1  # history length the last round drafted after
     winner: Draft | None = None
     silent_steps: int = 0  # consecutive draft rounds without a verified draft
 
@@ -51,6 +83,8 @@ class SpeculatorChain:
         self.probe_interval = probe_interval
         self._seqs: dict[int, _SeqState] = {}
         self._draft_seconds = {name: 0.0 for name in names}  # per drafted position, model drafters
+        # per speculator, per context: every sequence's verified and counterfactual drafts
+        self._evidence = {name: _context_counters() for name in names}
 
     @property
     def names(self) -> list[str]:
@@ -76,12 +110,15 @@ class SpeculatorChain:
         if seq_id in self._seqs:
             raise ValueError(f"chain: sequence {seq_id} already begun")
         types = self.check_types(types)
-        self._seqs[seq_id] = _SeqState(types, {t: AcceptanceCounters() for t in types})
+        self._seqs[seq_id] = _SeqState(types, {t: _context_counters() for t in types},
+                                       {t: NO_PROPOSAL for t in types})
         for name in types:
             with self._timed(name, "begin"):
                 self.speculators[name].begin(seq_id, prompt_ids)
 
     def process(self, batch: list[CommittedTokens]) -> None:
+        for c in batch:
+            self._score_losers(c)
         for name, spec in self.speculators.items():
             mine = [c for c in batch if c.seq_id in self._seqs and name in self._seqs[c.seq_id].types]
             if mine:
@@ -122,6 +159,9 @@ class SpeculatorChain:
             if spec.is_model_based:
                 self._observe_draft_time(name, time.perf_counter() - t0,
                                          sum(len(d) for d in drafts.values()))
+            for r in mine:  # asked and silent: its next draft starts a new run
+                if len(drafts.get(r.seq_id) or ()) == 0:
+                    self._seqs[r.seq_id].context[name] = NO_PROPOSAL
             for seq_id, d in drafts.items():
                 if len(d) > 0:
                     d.source = name
@@ -134,6 +174,10 @@ class SpeculatorChain:
             state.proposers = tuple(d.source for d in drafts)
             best = self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)[0]
             state.winner = best
+            state.losers = tuple(d for d in drafts if best is None or d.source != best.source)
+            state.winner_tokens = [] if best is None else \
+                next(d.token_ids for d in drafts if d.source == best.source)
+            state.draft_pos = len(by_id[seq_id].token_ids)
             if best is None:
                 state.silent_steps += 1
             else:
@@ -152,7 +196,7 @@ class SpeculatorChain:
         out = []
         for r in requests:
             state = self._seqs[r.seq_id]
-            surv = survival(conditional_rates(self.stats[name], state.counts.get(name), r.params.n_max))
+            surv = survival(self._rates(state, name, r.params.n_max))
             n = worth_drafting(surv, cost_per_token + draft_cost)
             if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
                 n = 0
@@ -175,7 +219,7 @@ class SpeculatorChain:
         and that gain (0 without one)."""
         best, best_gain = None, 0.0
         for d in drafts:
-            surv = survival(self._rates(state, d))
+            surv = survival(self._draft_rates(state, d))
             length = worth_drafting(surv, cost_per_token)
             if length == 0 and state.silent_steps >= self.probe_interval:
                 length = 1  # probe: one cheap token keeps the estimate honest
@@ -186,12 +230,48 @@ class SpeculatorChain:
                 best, best_gain = d.prefix(length), gain
         return best, best_gain
 
-    def _rates(self, state: _SeqState, d: Draft) -> list[float]:
+    def _draft_rates(self, state: _SeqState, d: Draft) -> list[float]:
         probs = d.token_probs
         if probs is None and d.expected_accepted is not None and len(d):
             # Only an overall estimate: the per-position rate a with sum_{i<=k} a^i close to it.
             probs = [_rate_for_expected(d.expected_accepted, len(d))] * len(d)
-        return conditional_rates(self.stats[d.source], state.counts.get(d.source), len(d), probs)
+        return self._rates(state, d.source, len(d), probs)
+
+    def _rates(self, state: _SeqState, name: str, length: int,
+               token_probs: list[float] | None = None) -> list[float]:
+        """a_i of `name`'s next draft for this sequence: its verified record, then its record
+        in the sequence's current context, then the sequence's own record in that context."""
+        ctx = state.context[name]
+        return conditional_rates([self.stats[name], self._evidence[name][ctx]],
+                                 state.counts[name][ctx], length, token_probs)
+
+    def _observe(self, state: _SeqState, name: str, known: int, accepted: int) -> None:
+        """One (verified or counterfactual) draft of `name`: `known` positions judged, the
+        first `accepted` of them right; it also sets the context of `name`'s next draft."""
+        ctx = state.context[name]
+        self._evidence[name][ctx].record_draft(known, accepted)
+        state.counts[name][ctx].record_draft(known, accepted)
+        state.context[name] = _context_after(known, accepted)
+
+    def _score_losers(self, c: CommittedTokens) -> None:
+        """Score the last round's unverified proposals against what the target committed after
+        the same point (the step's kept inputs after the first, and its sampled token)."""
+        state = self._seqs.get(c.seq_id)
+        if state is None or not (state.losers or state.tail):
+            return
+        losers, tail, state.losers, state.tail = state.losers, state.tail, (), None
+        if c.next_token_id is None or c.start_pos != state.draft_pos - 1:
+            return  # not the step that followed the draft round
+        truth = list(c.token_ids[1:]) + [c.next_token_id]
+        for d in losers:
+            known, accepted = observed_acceptance(d.token_ids, truth)
+            if known:
+                self._observe(state, d.source, known, accepted)
+        if tail is not None:  # the winner was trimmed: its next token meets the sampled one
+            name, ctx, tokens, pos = tail
+            hit = len(truth) > pos and tokens[pos] == truth[pos]
+            self._evidence[name][ctx].record_position(pos, hit)
+            state.counts[name][ctx].record_position(pos, hit)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         """The winning draft of `seq_id` had `num_accepted` tokens accepted."""
@@ -202,7 +282,10 @@ class SpeculatorChain:
         if not 0 <= num_accepted <= len(winner):
             raise ValueError(f"chain: {num_accepted} accepted of a {len(winner)}-token draft")
         self.stats[winner.source].record_verified(len(winner), num_accepted)
-        state.counts[winner.source].record_draft(len(winner), num_accepted)
+        ctx = state.context[winner.source]
+        self._observe(state, winner.source, len(winner), num_accepted)
+        if num_accepted == len(winner) < len(state.winner_tokens):
+            state.tail = (winner.source, ctx, state.winner_tokens, num_accepted)
         for name in state.proposers:
             with self._timed(name, "accept"):
                 self.speculators[name].accept(seq_id, num_accepted, name != winner.source)

@@ -63,6 +63,14 @@ class AcceptanceCounters:
         _bump(self.drafted_per_pos, draft_len, draft_len)
         _bump(self.reached_per_pos, min(draft_len, num_accepted + 1), draft_len)
 
+    def record_position(self, pos: int, accepted: bool) -> None:
+        """Position `pos` of a draft whose earlier positions were all accepted was judged on its
+        own (the chain scores a trimmed draft's next token against the sampled one)."""
+        _bump(self.reached_per_pos, 0, pos + 1)  # cover the position
+        _bump(self.accepted_per_pos, 0, pos + 1)
+        self.reached_per_pos[pos] += 1
+        self.accepted_per_pos[pos] += int(accepted)
+
     def add(self, other: AcceptanceCounters) -> None:
         """Accumulate `other`'s counts into these (requests into a run, runs into a total)."""
         self.num_steps += other.num_steps

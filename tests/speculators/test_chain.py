@@ -192,3 +192,79 @@ def test_model_drafter_is_not_run_where_a_model_free_draft_promises_more():
         assert w.source == "ngram"
         chain.accept(0, len(w))
     assert len(model.requested_n_max) == calls  # never asked again
+
+
+class Copier(Fixed):
+    """Proposes the next `length` tokens of `text` after the history, or junk while `wrong`."""
+
+    def __init__(self, name, text, length=4):
+        super().__init__(name, [])
+        self.text, self.length, self.wrong = text, length, True
+
+    def draft(self, requests):
+        out = {}
+        for r in requests:
+            pos = len(r.token_ids)
+            tokens = [9999] * self.length if self.wrong else self.text[pos:pos + self.length]
+            out[r.seq_id] = Draft(list(tokens))
+        return out
+
+
+def run_like_the_engine(chain, text, start, num_rounds, cost=0.3, seq_id=0):
+    """Greedy steps over a known `text` as the engine drives the chain: draft, verify against the
+    text, accept, then commit the kept inputs and the sampled token. Returns each round's draft
+    length (0: nothing verified)."""
+    from speculant.speculators.base import CommittedTokens
+
+    pos, lengths = start, []
+    for _ in range(num_rounds):
+        history = text[:pos]
+        w = chain.draft([DraftRequest(seq_id, history, DraftParams(n_max=8))], cost).get(seq_id)
+        num_acc = 0
+        if w is not None:
+            while num_acc < len(w) and w.token_ids[num_acc] == text[pos + num_acc]:
+                num_acc += 1
+            chain.accept(seq_id, num_acc)
+        lengths.append(0 if w is None else len(w))
+        chain.process([CommittedTokens(seq_id, pos - 1, text[pos - 1:pos + num_acc],
+                                       text[pos + num_acc])])
+        pos += num_acc + 1
+    return lengths
+
+
+def test_a_silent_drafter_learns_from_unverified_proposals_that_would_have_matched():
+    """After a drafter's failures priced it out, its proposals are still scored against what
+    the target wrote: once they match, it drafts again long before a probe is due."""
+    text = list(range(100, 400))
+    copier = Copier("copy", text)
+    chain = SpeculatorChain([copier], probe_interval=1000)
+    chain.begin(0, text[:10], ("copy",))
+    failing = run_like_the_engine(chain, text, 10, 12)
+    assert failing[0] > 0 and failing[-1] == 0  # backed off to nothing
+    copier.wrong = False
+    matching = run_like_the_engine(chain, text, 30, 8)
+    assert matching[:1] == [0] and max(matching[:4]) > 0  # verified again within 4 rounds
+    assert matching[-1] >= 4  # and long drafts once the copy keeps matching
+    assert chain.stats["copy"].num_accepted_tokens >= 8
+
+
+def test_losing_proposals_are_scored_so_the_better_drafter_takes_over():
+    """Only the winner is verified. A confident drafter whose first token is always right wins
+    every round at first; the other drafter's proposals, once they match the text, are scored
+    against the committed tokens while they lose, and it takes over with long drafts."""
+    text = list(range(500, 900))
+    good = Copier("good", text)
+
+    class FirstTokenOnly(Copier):
+        def draft(self, requests):
+            return {r.seq_id: Draft([self.text[len(r.token_ids)], 7, 7, 7], token_probs=[0.99] * 4)
+                    for r in requests}
+
+    chain = SpeculatorChain([FirstTokenOnly("first", text), good], probe_interval=1000)
+    chain.begin(0, text[:10], ("first", "good"))
+    run_like_the_engine(chain, text, 10, 6)
+    assert chain.stats["good"].num_drafts == 0 and chain.stats["first"].num_drafts == 6
+    good.wrong = False
+    lengths = run_like_the_engine(chain, text, 60, 12)
+    assert chain.stats["good"].num_drafts >= 6  # it won most of the later rounds
+    assert lengths[-1] >= 4
