@@ -14,11 +14,18 @@ Terms used below:
   commits positions up to N-1 and samples x_N, entries cached_len..N-1 are computed for every
   sequence asked to draft in one ragged head forward, and entry N-1's output hidden gives the
   round's first draft token (its LM head row). The forward is lazy: `process` only keeps the
-  target's features, and `draft` computes the entries of the sequences it drafts for (as they
-  pile up, `process` computes them once PENDING_LIMIT are waiting). A sequence the chain does
-  not ask this head to draft for (a model-free draft is better, or drafting does not pay) costs
-  no head forward per step: measured, the eager per-step forward made `eagle3` 0.86-0.97x plain
-  and the chain with it slower than without when the head rarely drafted.
+  target's features, and `draft` computes the entries of the sequences it drafts for. A
+  sequence the chain does not ask this head to draft for (a model-free draft is better, or
+  drafting does not pay) costs no head forward per step: measured, the eager per-step forward
+  made `eagle3` 0.86-0.97x plain and the chain with it slower than without when the head rarely
+  drafted.
+- *window*: when more than MAX_WAITING entries wait (a long prompt, or a long stretch where the
+  chain drafted with others), the head's cache for the sequence restarts on the newest
+  HEAD_WINDOW of them: head slot 0 is then target position `base`. RoPE makes attention depend
+  on position differences only, so the restarted head computes exactly what it computes for a
+  sequence that starts at `base`; it loses the older entries, and the target's features still
+  carry the whole context. A 1,500-token rag prompt then costs a 128-row head forward when the
+  head first drafts instead of a 1,500-row one at prefill, and a dormant head costs nothing.
 - *draft entries*: N, N+1, ... from (the head's own hidden, the previous draft token); each
   further draft token is one batched forward; they are dropped after the round (the KV length
   returns to N, as the target's rollback).
@@ -79,16 +86,19 @@ def shipped_head_path(target: TargetView, shipped: dict[str, str]) -> str:
     return path if path and os.path.isfile(os.path.join(path, "config.json")) else ""
 
 
-# committed entries waiting for a forward; more are computed by `process` in one batch (a
-# forward over 64 rows costs about as much as 3 one-row forwards on the CPU)
-PENDING_LIMIT = 64
+# more committed entries than this waiting for a forward restart the head's cache on the
+# newest HEAD_WINDOW of them (a forward over 64 rows costs about as much as 3 one-row
+# forwards on the CPU; 128 rows cost ~15 ms on 2 AVX2 cores)
+MAX_WAITING = 256
+HEAD_WINDOW = 128
 
 
 @dataclass(slots=True)
 class _SeqState:
-    cached_len: int = 0  # head entries 0..cached_len-1 are in the head's KV cache
-    # [n, n_feat * hidden] the target's captured features (not fused yet) of positions
-    # cached_len..cached_len+n-1, and the committed tokens at those positions
+    base: int = 0  # the target position of head slot 0 (> 0 after a window restart)
+    cached_len: int = 0  # head slots 0..cached_len-1 are in the head's KV cache
+    # [n, n_feat * hidden] the target's captured features (not fused yet) of slots
+    # cached_len..cached_len+n-1, and the committed tokens at those slots
     features: torch.Tensor | None = None
     tokens: list[int] = field(default_factory=list)
     next_token: int | None = None  # the token after them, when the target sampled it
@@ -173,41 +183,51 @@ class FeatureDrafter(Speculator):
 
     @torch.inference_mode()
     def process(self, batch: list[CommittedTokens]) -> None:
-        """Keep the committed tokens' target features; compute the head entries of sequences
-        with PENDING_LIMIT or more waiting, in one batched head forward (as the seeds mirror
-        target batches into the draft context). Entry p needs the feature f_p and the token
-        x_{p+1}; the newest entry uses the token the target just sampled (`next_token_id`),
-        and its output hidden is kept for the next round's first draft token."""
+        """Keep the committed tokens' target features (entry p needs the feature f_p and the
+        token x_{p+1}; the newest entry uses the token the target just sampled,
+        `next_token_id`); past MAX_WAITING waiting entries, restart the sequence's head
+        window on the newest HEAD_WINDOW."""
         batch = [c for c in batch if c.seq_id in self._seqs and c.token_ids]
         missing = [c.seq_id for c in batch if c.hidden_states is None]
         if missing:
             raise ValueError(f"{self.name}: no target features for sequence {missing[0]}")
-        chunks = []
         for c in batch:
             state = self._seqs[c.seq_id]
             raw = torch.cat([c.hidden_states[i] for i in self.hidden_layers], dim=-1)
             self._append(state, c, raw)  # [n, n_feat * hidden]
-            if len(state.tokens) >= PENDING_LIMIT:
-                chunk = self._waiting_chunk(c.seq_id, state)
-                if chunk is not None:
-                    chunks.append(chunk)
-        self._compute_committed(chunks)
+            if len(state.tokens) > MAX_WAITING:
+                self._restart_window(c.seq_id, state)
 
     def _append(self, state: _SeqState, c: CommittedTokens, rows: torch.Tensor) -> None:
         # rows [n, n_feat * hidden] the features of c's tokens, a tensor of its own (kept as is)
+        start = c.start_pos - state.base  # head slot of c's first token
         known = state.cached_len + len(state.tokens)
-        if c.start_pos > known:
+        if start > known:
             raise ValueError(f"{self.name}: sequence {c.seq_id} skipped positions "
-                             f"{known}..{c.start_pos - 1}")
-        if c.start_pos < state.cached_len:  # the target recomputed earlier positions
-            self.cache.truncate(c.seq_id, c.start_pos)
-            state.cached_len, state.features, state.tokens = c.start_pos, None, []
-        keep = c.start_pos - state.cached_len
+                             f"{state.base + known}..{c.start_pos - 1}")
+        if start < 0:  # the target recomputed positions before the window: restart there
+            self.cache.truncate(c.seq_id, 0)
+            state.base, state.cached_len, state.features, state.tokens = c.start_pos, 0, None, []
+            start = 0
+        elif start < state.cached_len:  # the target recomputed earlier positions
+            self.cache.truncate(c.seq_id, start)
+            state.cached_len, state.features, state.tokens = start, None, []
+        keep = start - state.cached_len
         kept = None if state.features is None else state.features[:keep]
         state.features = rows if kept is None or kept.shape[0] == 0 else torch.cat([kept, rows])
         state.tokens = state.tokens[:keep] + list(c.token_ids)
         state.next_token = c.next_token_id
         state.last = None  # the newest entry moved on: computed again when it is needed
+
+    def _restart_window(self, seq_id: int, state: _SeqState) -> None:
+        """Drop the head's cached entries and all but the newest HEAD_WINDOW waiting ones: the
+        next draft computes HEAD_WINDOW entries, not every position since the last one."""
+        dropped = len(state.tokens) - HEAD_WINDOW
+        self.cache.truncate(seq_id, 0)
+        state.base += state.cached_len + dropped
+        state.cached_len = 0
+        state.features = state.features[dropped:]
+        state.tokens = state.tokens[dropped:]
 
     def _waiting_chunk(self, seq_id: int, state: _SeqState) -> SeqChunk | None:
         """The entries waiting for a forward whose next token is known: entry p reads x_{p+1},
@@ -225,7 +245,7 @@ class FeatureDrafter(Speculator):
         """Before drafting for `r`: its waiting entries, when they reach its last committed
         position and the token after it is `r`'s last token."""
         state = self._state(r.seq_id)
-        if state.cached_len + len(state.tokens) != len(r.token_ids) - 1 \
+        if state.base + state.cached_len + len(state.tokens) != len(r.token_ids) - 1 \
                 or state.next_token != r.token_ids[-1]:
             return None
         return self._waiting_chunk(r.seq_id, state)
@@ -264,7 +284,8 @@ class FeatureDrafter(Speculator):
         ready = [r for r in requests if self._can_draft(r)]
         grown: dict[int, DraftBuilder] = {r.seq_id: DraftBuilder() for r in ready}
         by_id = {r.seq_id: r for r in requests}
-        chunks = [SeqChunk(r.seq_id, len(r.token_ids) - 2, [r.token_ids[-1]], 1) for r in ready]
+        chunks = [SeqChunk(r.seq_id, self._seqs[r.seq_id].cached_len - 1, [r.token_ids[-1]], 1)
+                  for r in ready]
         out = None
         if ready:
             last = torch.cat([self._seqs[r.seq_id].last for r in ready])  # [S, hidden]
@@ -282,8 +303,9 @@ class FeatureDrafter(Speculator):
         head's context and cache must hold the draft."""
         state = self._state(r.seq_id)
         committed = len(r.token_ids) - 1  # x_N (the last token) is not in the target's KV yet
-        need = committed + r.params.n_max
-        return (r.params.n_max > 0 and state.last is not None and state.cached_len == committed
+        need = state.cached_len + r.params.n_max  # head slots
+        return (r.params.n_max > 0 and state.last is not None
+                and state.base + state.cached_len == committed
                 and need < self.max_positions and self.cache.can_grow(r.seq_id, need))
 
     def _forward(self, chunks: list[SeqChunk], hidden: torch.Tensor, with_logits: bool = True):
