@@ -4,8 +4,10 @@ Every speculator a sequence may use proposes; the chain scores each proposal by 
 accepted tokens net of the cost of verifying it (see `acceptance.py`), trims it to the length
 worth verifying, and keeps the best. The winner is told `accept(n)`, the other proposers
 `accept(n, is_other=True)`. Drafts that keep failing shrink the per-sequence acceptance
-estimates, so the chain backs off to shorter drafts or none; every `probe_interval` silent steps a
-one-token probe lets a sequence whose text became predictable win drafts again.
+estimates, so the chain backs off to shorter drafts or none. A proposal that is not verified
+is still scored (below), so no draft is verified just to keep an estimate honest; a model
+drafter the chain stopped asking is asked for a one-token shadow draft every `probe_interval`
+silent rounds, scored the same way.
 
 Acceptance is bursty: a copy from the prompt runs for dozens of tokens, then nothing matches.
 So the estimates are kept per *context*, what the speculator's previous proposal for the same
@@ -190,8 +192,8 @@ class SpeculatorChain:
         """A model drafter costs time per drafted position whether or not its draft wins: cap
         each sequence's n_max where expected acceptance stops paying for drafting + verifying,
         and skip the sequence when even that cannot beat the net gain `rival[seq_id]` of the
-        best model-free proposal (probe with one token after `probe_interval` silent rounds
-        when nothing else drafts)."""
+        best model-free proposal (a one-token shadow draft after `probe_interval` silent
+        rounds when nothing else drafts: scored against the committed tokens, not verified)."""
         draft_cost = self._draft_seconds[name] / seconds_per_token if seconds_per_token > 0 else 0.0
         out = []
         for r in requests:
@@ -221,8 +223,6 @@ class SpeculatorChain:
         for d in drafts:
             surv = survival(self._draft_rates(state, d))
             length = worth_drafting(surv, cost_per_token)
-            if length == 0 and state.silent_steps >= self.probe_interval:
-                length = 1  # probe: one cheap token keeps the estimate honest
             if length == 0 or length < n_min:
                 continue
             gain = net_gain(surv, length, cost_per_token)

@@ -79,7 +79,9 @@ def test_sequence_only_uses_its_allowed_speculators():
     assert 0 not in b.begun
 
 
-def test_failing_drafts_back_off_to_nothing_then_probe():
+def test_failing_drafts_back_off_to_nothing_and_are_not_verified_as_probes():
+    """Once failures price a drafter out, nothing of it is verified: its proposals are scored
+    against the committed tokens instead (see the two tests at the end of this file)."""
     spec = Fixed("bad", [9, 9, 9, 9])
     chain = SpeculatorChain([spec], probe_interval=3)
     chain.begin(0, [1], ("bad",))
@@ -90,8 +92,7 @@ def test_failing_drafts_back_off_to_nothing_then_probe():
         if d is not None:
             chain.accept(0, 0)
     assert lengths[0] == 2  # prior a_i = 0.5: survival 0.5, 0.25 > cost 0.2 > 0.125
-    assert 0 in lengths  # backed off completely after failures
-    assert max(lengths[4:]) == 1  # only one-token probes afterwards
+    assert max(lengths[4:]) == 0  # backed off completely, no verified probes
 
 
 def test_n_min_drops_short_drafts():
@@ -268,3 +269,32 @@ def test_losing_proposals_are_scored_so_the_better_drafter_takes_over():
     lengths = run_like_the_engine(chain, text, 60, 12)
     assert chain.stats["good"].num_drafts >= 6  # it won most of the later rounds
     assert lengths[-1] >= 4
+
+
+def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
+    """A model drafter the chain stopped asking gets a one-token draft every `probe_interval`
+    silent rounds; it is scored, not verified, and once such drafts match it drafts again."""
+    text = list(range(1000, 1400))
+
+    class ModelCopier(Copier):
+        is_model_based = True
+
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.asked = []
+
+        def draft(self, requests):
+            self.asked.extend(r.params.n_max for r in requests)
+            return {r.seq_id: Draft(d.token_ids[:r.params.n_max])
+                    for r, d in zip(requests, super().draft(requests).values())}
+
+    model = ModelCopier("model", text)
+    chain = SpeculatorChain([model], probe_interval=4)
+    chain.begin(0, text[:10], ("model",))
+    lengths = run_like_the_engine(chain, text, 10, 16)
+    assert lengths[0] > 0 and lengths[-1] == 0 and max(lengths[-8:]) == 0
+    assert model.asked[-1] == 1  # shadow probes of one token, never verified
+    verified = chain.stats["model"].num_drafts
+    model.wrong = False
+    lengths = run_like_the_engine(chain, text, 60, 24)
+    assert chain.stats["model"].num_drafts > verified and lengths[-1] >= 2
