@@ -32,6 +32,8 @@ def engine_snapshot(engine) -> dict:
         "tuner": status.tuner or {},
         "speculators": {name: {
             "num_proposals": s.num_proposals,
+            "num_scored": s.num_scored,
+            "num_scored_first_matched": s.num_scored_first_matched,
             "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens,
             "num_accepted_tokens": s.num_accepted_tokens,
@@ -127,6 +129,8 @@ def _tuner_metrics(tuner: dict):
 def _spec_counters(speculators: dict):
     help_ = {
         "num_proposals": "Drafts proposed (including ones another speculator outbid)",
+        "num_scored": "Unverified proposals scored against the tokens the target committed",
+        "num_scored_first_matched": "Scored proposals whose first token matched the target's",
         "num_drafts": "Drafts verified by the target",
         "num_draft_tokens": "Tokens in verified drafts",
         "num_accepted_tokens": "Draft tokens the target accepted",

@@ -246,6 +246,10 @@ class SpeculatorStats(AcceptanceCounters):
 
     num_proposals: int = 0  # drafts proposed, verified or not (n_gen_drafts)
     num_drafts_accepted: int = 0  # verified drafts with at least one accepted token (n_acc_drafts)
+    # proposals not verified (outbid, or not worth verifying) that the chain scored against the
+    # tokens the target committed, and those whose first token matched
+    num_scored: int = 0
+    num_scored_first_matched: int = 0
     num_calls_begin: int = 0
     num_calls_draft: int = 0
     num_calls_accept: int = 0

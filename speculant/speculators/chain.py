@@ -267,6 +267,8 @@ class SpeculatorChain:
             known, accepted = observed_acceptance(d.token_ids, truth)
             if known:
                 self._observe(state, d.source, known, accepted)
+                self.stats[d.source].num_scored += 1
+                self.stats[d.source].num_scored_first_matched += int(accepted > 0)
         if tail is not None:  # the winner was trimmed: its next token meets the sampled one
             name, ctx, tokens, pos = tail
             hit = len(truth) > pos and tokens[pos] == truth[pos]

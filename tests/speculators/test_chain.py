@@ -247,6 +247,8 @@ def test_a_silent_drafter_learns_from_unverified_proposals_that_would_have_match
     assert matching[:1] == [0] and max(matching[:4]) > 0  # verified again within 4 rounds
     assert matching[-1] >= 4  # and long drafts once the copy keeps matching
     assert chain.stats["copy"].num_accepted_tokens >= 8
+    stats = chain.stats["copy"]  # the silent rounds' proposals were scored, not verified
+    assert stats.num_scored > 0 and 0 < stats.num_scored_first_matched < stats.num_scored
 
 
 def test_losing_proposals_are_scored_so_the_better_drafter_takes_over():
