@@ -203,7 +203,8 @@ class SpeculatorChain:
             if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
                 n = 0
             if n == 0 and state.silent_steps >= self.probe_interval and rival[r.seq_id] <= 0:
-                n = 1
+                n = 1  # a shadow draft: the silence count restarts, as after a verified one
+                state.silent_steps = 0
             if n > 0:
                 out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
                     n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min)))
