@@ -33,7 +33,7 @@ from speculant.speculators.acceptance import (
     survival,
     worth_drafting,
 )
-from speculant.speculators.counters import AcceptanceCounters
+from speculant.speculators.counters import AcceptanceCounters, total
 from speculant.speculators.base import (
     CommittedTokens,
     Draft,
@@ -198,7 +198,7 @@ class SpeculatorChain:
         out = []
         for r in requests:
             state = self._seqs[r.seq_id]
-            surv = survival(self._rates(state, name, r.params.n_max))
+            surv = survival(self._rates_any_context(state, name, r.params.n_max))
             n = worth_drafting(surv, cost_per_token + draft_cost)
             if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
                 n = 0
@@ -245,6 +245,13 @@ class SpeculatorChain:
         ctx = state.context[name]
         return conditional_rates([self.stats[name], self._evidence[name][ctx]],
                                  state.counts[name][ctx], length, token_probs)
+
+    def _rates_any_context(self, state: _SeqState, name: str, length: int) -> list[float]:
+        """a_i of `name` over all contexts: what asking a model drafter is priced by. (Priced
+        by the context, a head whose last draft matched was asked at c=8 for drafts its own
+        low confidence then kept from verification: 5% of the time spent drafting for nothing.)"""
+        return conditional_rates([self.stats[name], total(self._evidence[name])],
+                                 total(state.counts[name]), length)
 
     def _observe(self, state: _SeqState, name: str, known: int, accepted: int) -> None:
         """One (verified or counterfactual) draft of `name`: `known` positions judged, the

@@ -14,11 +14,12 @@ Terms used below:
   commits positions up to N-1 and samples x_N, entries cached_len..N-1 are computed for every
   sequence asked to draft in one ragged head forward, and entry N-1's output hidden gives the
   round's first draft token (its LM head row). The forward is lazy: `process` only keeps the
-  target's features, and `draft` computes the entries of the sequences it drafts for. A
-  sequence the chain does not ask this head to draft for (a model-free draft is better, or
-  drafting does not pay) costs no head forward per step: measured, the eager per-step forward
-  made `eagle3` 0.86-0.97x plain and the chain with it slower than without when the head rarely
-  drafted.
+  target's features, and `draft` computes the entries of the sequences it drafts for (as they
+  pile up, `process` computes them once PENDING_LIMIT are waiting, so a prompt's entries are
+  computed in its prefill step, not in the first decode step). A sequence the chain does not
+  ask this head to draft for (a model-free draft is better, or drafting does not pay) costs no
+  head forward per step: measured, the eager per-step forward made `eagle3` 0.86-0.97x plain
+  and the chain with it slower than without when the head rarely drafted.
 - *window*: when more than MAX_WAITING entries wait (a long prompt, or a long stretch where the
   chain drafted with others), the head's cache for the sequence restarts on the newest
   HEAD_WINDOW of them: head slot 0 is then target position `base`. RoPE makes attention depend
@@ -86,9 +87,11 @@ def shipped_head_path(target: TargetView, shipped: dict[str, str]) -> str:
     return path if path and os.path.isfile(os.path.join(path, "config.json")) else ""
 
 
-# more committed entries than this waiting for a forward restart the head's cache on the
-# newest HEAD_WINDOW of them (a forward over 64 rows costs about as much as 3 one-row
-# forwards on the CPU; 128 rows cost ~15 ms on 2 AVX2 cores)
+# committed entries waiting for a forward; more are computed by `process` in one batch (a
+# forward over 64 rows costs about as much as 3 one-row forwards on the CPU)
+PENDING_LIMIT = 64
+# more waiting entries than this (a long prompt chunk) restart the head's cache on the newest
+# HEAD_WINDOW of them (128 rows cost ~15 ms on 2 AVX2 cores)
 MAX_WAITING = 256
 HEAD_WINDOW = 128
 
@@ -186,17 +189,25 @@ class FeatureDrafter(Speculator):
         """Keep the committed tokens' target features (entry p needs the feature f_p and the
         token x_{p+1}; the newest entry uses the token the target just sampled,
         `next_token_id`); past MAX_WAITING waiting entries, restart the sequence's head
-        window on the newest HEAD_WINDOW."""
+        window on the newest HEAD_WINDOW; compute the entries of sequences with PENDING_LIMIT
+        or more waiting, in one batched head forward (as the seeds mirror target batches into
+        the draft context)."""
         batch = [c for c in batch if c.seq_id in self._seqs and c.token_ids]
         missing = [c.seq_id for c in batch if c.hidden_states is None]
         if missing:
             raise ValueError(f"{self.name}: no target features for sequence {missing[0]}")
+        chunks = []
         for c in batch:
             state = self._seqs[c.seq_id]
             raw = torch.cat([c.hidden_states[i] for i in self.hidden_layers], dim=-1)
             self._append(state, c, raw)  # [n, n_feat * hidden]
             if len(state.tokens) > MAX_WAITING:
                 self._restart_window(c.seq_id, state)
+            if len(state.tokens) >= PENDING_LIMIT:
+                chunk = self._waiting_chunk(c.seq_id, state)
+                if chunk is not None:
+                    chunks.append(chunk)
+        self._compute_committed(chunks)
 
     def _append(self, state: _SeqState, c: CommittedTokens, rows: torch.Tensor) -> None:
         # rows [n, n_feat * hidden] the features of c's tokens, a tensor of its own (kept as is)

@@ -133,11 +133,12 @@ def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
 
 @torch.inference_mode()
 def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
-    """Committed tokens only keep their features: the head runs no forward per step until a
-    draft is asked for; then one batched forward catches up and the draft is the head's own
-    full-sequence answer."""
+    """Committed tokens only keep their features: the head runs no forward per step until
+    PENDING_LIMIT entries wait (then one batched forward) or a draft is asked for, and the
+    draft after the catch-up is the head's own full-sequence answer."""
     from speculant.llm import LLM
     from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+    from speculant.speculators.feature_drafter import PENDING_LIMIT
 
     engine = eagle_engine
     probe = engine.speculator(engine.speculator_names[0])
@@ -147,6 +148,7 @@ def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
         "of many flags. Painters mix it with yellow to make green and with red to make "
         "purple; it is one of the three primary colours of paint.")
     prompt_len, n = 20, len(history) - 1  # positions 0..n-1 committed, history[n] sampled
+    assert n >= PENDING_LIMIT > prompt_len  # one batched forward on the way
     feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
     seq_id = 10**6
     probe.begin(seq_id, history[:prompt_len])
@@ -154,20 +156,19 @@ def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
         forwards = probe.num_draft_forwards
         probe.process([CommittedTokens(seq_id, 0, history[:prompt_len], history[prompt_len],
                                        {i: f[:prompt_len] for i, f in feats.items()})])
-        mid = prompt_len + 20
         for pos in range(prompt_len, n):  # one decode step each, no draft asked...
             probe.process([CommittedTokens(seq_id, pos, [history[pos]], history[pos + 1],
                                            {i: f[pos:pos + 1] for i, f in feats.items()})])
-            if pos + 1 == mid:  # ...except once, half way
-                assert probe.num_draft_forwards == forwards
+            if pos + 1 == PENDING_LIMIT:  # ...but right after the batched forward: nothing waits
+                assert probe.num_draft_forwards - forwards == 1
                 seen = history[:pos + 2]
                 first = probe.draft([DraftRequest(seq_id, seen, DraftParams(n_max=1))])
                 assert probe.num_draft_forwards - forwards == 1
                 assert first[seq_id].token_ids[0] == reference_first_draft(
                     probe.head, {i: f[:pos + 1] for i, f in feats.items()}, seen)
-        assert probe.num_draft_forwards - forwards == 1
+        assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT
         drafts = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=1))])
-        assert probe.num_draft_forwards - forwards == 2
+        assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT + 1
         assert drafts[seq_id].token_ids[0] == reference_first_draft(probe.head, feats, history)
     finally:
         probe.end(seq_id)
@@ -175,7 +176,7 @@ def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
 
 @torch.inference_mode()
 def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
-    """More than MAX_WAITING waiting entries restart the head's cache on the newest
+    """More than MAX_WAITING waiting entries (a long prompt chunk) restart the head's cache on the newest
     HEAD_WINDOW: the draft is then the head's answer for a sequence that starts at the
     window (RoPE positions from 0 there), computed in one forward of HEAD_WINDOW rows."""
     from speculant.llm import LLM
