@@ -274,9 +274,10 @@ def test_losing_proposals_are_scored_so_the_better_drafter_takes_over():
 
 
 def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
-    """A model drafter the chain stopped asking gets a one-token draft every `probe_interval`
-    silent rounds; it is scored, not verified, and once such drafts match it drafts again."""
-    text = list(range(1000, 1400))
+    """A model drafter the chain stopped asking gets a one-token draft after `probe_interval`
+    silent rounds, then twice as late each time; it is scored, not verified, and once such
+    drafts match it drafts again (after at most the interval it had reached: 64 rounds here)."""
+    text = list(range(1000, 3000))
 
     class ModelCopier(Copier):
         is_model_based = True
@@ -297,7 +298,10 @@ def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
     assert lengths[0] > 0 and lengths[-1] == 0 and max(lengths[-8:]) == 0
     assert model.asked[-1] == 1  # shadow probes of one token, never verified...
     assert len(model.asked) <= 7  # ...one per `probe_interval` silent rounds, not every round
+    asked = len(model.asked)
+    run_like_the_engine(chain, text, 40, 60)  # still wrong: probes come twice as late each time
+    assert len(model.asked) - asked <= 4  # a fixed interval of 4 would have asked 15 times
     verified = chain.stats["model"].num_drafts
     model.wrong = False
-    lengths = run_like_the_engine(chain, text, 60, 24)
+    lengths = run_like_the_engine(chain, text, 200, 120)
     assert chain.stats["model"].num_drafts > verified and lengths[-1] >= 2
