@@ -8,6 +8,7 @@ estimates, so the chain backs off to shorter drafts or none. A proposal that is 
 is still scored (below), so no draft is verified just to keep an estimate honest; a model
 drafter the chain stopped asking is asked for a one-token shadow draft after `probe_interval`
 silent rounds, then twice as late each time until one of its drafts is verified again.
+`probe_interval` 0 switches back-off off: every proposal is verified (one token at least).
 
 Acceptance is bursty: a copy from the prompt runs for dozens of tokens, then nothing matches.
 So the estimates are kept per *context*, what the speculator's previous proposal for the same
@@ -230,6 +231,8 @@ class SpeculatorChain:
         for d in drafts:
             surv = survival(self._draft_rates(state, d))
             length = worth_drafting(surv, cost_per_token)
+            if length == 0 and self.probe_interval == 0:
+                length = 1  # no back-off at all (probe_interval 0): every proposal is verified
             if length == 0 or length < n_min:
                 continue
             gain = net_gain(surv, length, cost_per_token)

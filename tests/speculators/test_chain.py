@@ -305,3 +305,13 @@ def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
     model.wrong = False
     lengths = run_like_the_engine(chain, text, 200, 120)
     assert chain.stats["model"].num_drafts > verified and lengths[-1] >= 2
+
+
+def test_probe_interval_zero_verifies_every_proposal():
+    """No back-off at all: even a drafter that always fails is verified every round."""
+    chain = SpeculatorChain([Fixed("bad", [9, 9, 9, 9])], probe_interval=0)
+    chain.begin(0, [1], ("bad",))
+    for _ in range(10):
+        d = chain.draft([request()], cost_per_token=0.5).get(0)
+        assert d is not None and len(d) >= 1
+        chain.accept(0, 0)
