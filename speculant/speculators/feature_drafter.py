@@ -20,13 +20,13 @@ Terms used below:
   ask this head to draft for (a model-free draft is better, or drafting does not pay) costs no
   head forward per step: measured, the eager per-step forward made `eagle3` 0.86-0.97x plain
   and the chain with it slower than without when the head rarely drafted.
-- *window*: when more than MAX_WAITING entries wait (a long prompt, or a long stretch where the
-  chain drafted with others), the head's cache for the sequence restarts on the newest
-  HEAD_WINDOW of them: head slot 0 is then target position `base`. RoPE makes attention depend
-  on position differences only, so the restarted head computes exactly what it computes for a
-  sequence that starts at `base`; it loses the older entries, and the target's features still
-  carry the whole context. A 1,500-token rag prompt then costs a 128-row head forward when the
-  head first drafts instead of a 1,500-row one at prefill, and a dormant head costs nothing.
+- *window*: when more than MAX_WAITING entries wait (a prompt chunk that long: in decode the
+  PENDING_LIMIT flush keeps fewer waiting), the head's cache for the sequence restarts on the
+  newest HEAD_WINDOW of them: head slot 0 is then target position `base`. RoPE makes attention
+  depend on position differences only, so the restarted head computes exactly what it computes
+  for a sequence that starts at `base`; it loses the older entries, and the target's features
+  still carry the whole context. A 1,500-token rag prompt then costs a 128-row head forward
+  instead of a 1,500-row one.
 - *draft entries*: N, N+1, ... from (the head's own hidden, the previous draft token); each
   further draft token is one batched forward; they are dropped after the round (the KV length
   returns to N, as the target's rollback).
