@@ -29,7 +29,7 @@ run: setup
 	$(BIN)/speculant demo
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

@@ -43,9 +43,9 @@ def net_gain(surv: list[float], length: int, cost_per_token: float) -> float:
     return sum(surv[:length]) - cost_per_token * length
 
 
-def conditional_rates(global_levels: list[AcceptanceCounters], seq_counts: AcceptanceCounters | None,
-                      length: int, token_probs: list[float] | None = None) -> list[float]:
-    """a_i for i < length.
+def conditional_rate(global_levels: list[AcceptanceCounters], seq_counts: AcceptanceCounters | None,
+                     i: int, token_probs: list[float] | None = None) -> float:
+    """a_i.
 
     Prior: the speculator-wide evidence, `global_levels` from coarse to fine (each level shrunk
     towards the one before it, the first towards the Beta prior), averaged with the drafter's
@@ -53,15 +53,40 @@ def conditional_rates(global_levels: list[AcceptanceCounters], seq_counts: Accep
     sequence's own record, which overrides the prior after a few drafts, so a confident drafter
     that keeps being wrong on this text backs off, and one that keeps being right drafts long.
     """
-    rates = []
-    for i in range(length):
-        prior, weight = PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT), PRIOR_ACCEPT + PRIOR_REJECT
-        for counts in global_levels:
-            prior, weight = counts.conditional_rate(i, prior, weight), LEVEL_WEIGHT
-        if token_probs is not None and i < len(token_probs):
-            prior = 0.5 * (prior + token_probs[i])
-        rates.append(seq_counts.conditional_rate(i, prior, GLOBAL_WEIGHT) if seq_counts is not None else prior)
-    return rates
+    prior, weight = PRIOR_ACCEPT / (PRIOR_ACCEPT + PRIOR_REJECT), PRIOR_ACCEPT + PRIOR_REJECT
+    for counts in global_levels:
+        prior, weight = counts.conditional_rate(i, prior, weight), LEVEL_WEIGHT
+    if token_probs is not None and i < len(token_probs):
+        prior = 0.5 * (prior + token_probs[i])
+    return seq_counts.conditional_rate(i, prior, GLOBAL_WEIGHT) if seq_counts is not None else prior
+
+
+def conditional_rates(global_levels: list[AcceptanceCounters], seq_counts: AcceptanceCounters | None,
+                      length: int, token_probs: list[float] | None = None) -> list[float]:
+    """a_i for i < length (`conditional_rate`)."""
+    return [conditional_rate(global_levels, seq_counts, i, token_probs) for i in range(length)]
+
+
+def survival_above(global_levels: list[AcceptanceCounters], seq_counts: AcceptanceCounters | None,
+                   length: int, floor: float, token_probs: list[float] | None = None) -> list[float]:
+    """survival(conditional_rates(...)) cut after its first value at or below `floor`: what
+    `worth_drafting` and `net_gain` read at that cost, without the rates of positions that can
+    never be worth verifying (a 16-token n-gram copy priced at every position of every
+    sequence in every round was most of the chain's Python time at concurrency 8)."""
+    return survival_above_rates(
+        (conditional_rate(global_levels, seq_counts, i, token_probs) for i in range(length)), floor)
+
+
+def survival_above_rates(cond_rates, floor: float) -> list[float]:
+    """survival(cond_rates) cut after its first value at or below `floor` (`cond_rates` may be
+    a lazy iterable: nothing after the cut is computed)."""
+    out, s = [], 1.0
+    for a in cond_rates:
+        s *= a
+        out.append(s)
+        if s <= floor:
+            break
+    return out
 
 
 def observed_acceptance(draft: list[int], truth: list[int]) -> tuple[int, int]:

@@ -34,6 +34,10 @@ class DraftParams:
     n_max: int = 16  # longest draft to propose (already capped by context and max_tokens)
     n_min: int = 0  # drafts shorter than this are dropped
     p_min: float = 0.0  # stop drafting where the drafter's confidence falls below this
+    # stop drafting where the product of the draft's probabilities so far would fall below
+    # this (the first token is always kept): the chain's break-even for drafting one more
+    # position of a model drafter, whose later tokens are then drafted only while they can pay
+    p_min_run: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_max < 0:
@@ -44,6 +48,8 @@ class DraftParams:
             raise ValueError(f"n_min ({self.n_min}) must not exceed n_max ({self.n_max})")
         if not 0.0 <= self.p_min <= 1.0:
             raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
+        if not 0.0 <= self.p_min_run <= 1.0:
+            raise ValueError(f"p_min_run must be in [0, 1], got {self.p_min_run}")
 
 
 @dataclass(slots=True)
@@ -99,16 +105,24 @@ class DraftBuilder:
     """A model drafter's draft, grown one token at a time: ids, the drafter's probability of
     each, and (when sampling) its distribution q over the target's vocabulary."""
 
-    __slots__ = ("ids", "probs", "qs")
+    __slots__ = ("ids", "probs", "qs", "run_prob")
 
     def __init__(self):
         self.ids: list[int] = []
         self.probs: list[float] = []
         self.qs: list[torch.Tensor] = []  # each [vocab]
+        self.run_prob = 1.0  # product of probs
+
+    def takes(self, prob: float, params: DraftParams) -> bool:
+        """Whether a next token of probability `prob` joins the draft under `params`' p_min
+        and p_min_run (the first token only needs p_min)."""
+        return prob >= params.p_min and (
+            not self.ids or self.run_prob * prob >= params.p_min_run)
 
     def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
         self.ids.append(tok)
         self.probs.append(prob)
+        self.run_prob *= prob
         if q is not None:
             self.qs.append(q)
 

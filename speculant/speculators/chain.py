@@ -28,11 +28,17 @@ import time
 from dataclasses import dataclass, field
 
 from speculant.speculators.acceptance import (
-    conditional_rates,
     net_gain,
     observed_acceptance,
-    survival,
+    survival_above,
+    survival_above_rates,
     worth_drafting,
+)
+from speculant.speculators.calibration import (
+    ProbCalibration,
+    SeqCalibration,
+    calibrated_rates,
+    record_judged,
 )
 from speculant.speculators.counters import AcceptanceCounters, total
 from speculant.speculators.base import (
@@ -69,14 +75,17 @@ class _SeqState:
     proposers: tuple[str, ...] = ()  # speculators that proposed in the last draft round
     losers: tuple[Draft, ...] = ()  # the last round's proposals that were not verified, untrimmed
     winner_tokens: list[int] = field(default_factory=list)  # the winner before it was trimmed
-    # (speculator, context, untrimmed draft, verified length) of a winner accepted in full
-    # whose trimmed tail the sampled token can still judge
-    tail: tuple[str, int, list[int], int] | None = None
+    winner_probs: list[float] | None = None  # ... its token_probs
+    # (speculator, context, untrimmed draft, its token_probs, verified length) of a winner
+    # accepted in full whose trimmed tail the sampled token can still judge
+    tail: tuple[str, int, list[int], list[float] | None, int] | None = None
     draft_pos: int = -1  # history length the last round drafted after
     winner: Draft | None = None
     silent_steps: int = 0  # consecutive draft rounds without a verified draft
     # per model drafter: silent rounds before its next shadow draft (doubles while they fail)
     probe_every: dict[str, int] = field(default_factory=dict)
+    # per model drafter: this sequence's record against the drafter's calibration
+    calib: dict[str, SeqCalibration] = field(default_factory=dict)
 
 
 class SpeculatorChain:
@@ -91,6 +100,8 @@ class SpeculatorChain:
         self._draft_seconds = {name: 0.0 for name in names}  # per drafted position, model drafters
         # per speculator, per context: every sequence's verified and counterfactual drafts
         self._evidence = {name: _context_counters() for name in names}
+        # per model drafter: acceptance by the probability it gave its tokens (calibration.py)
+        self._calibration = {s.name: ProbCalibration() for s in speculators if s.is_model_based}
 
     @property
     def names(self) -> list[str]:
@@ -118,6 +129,7 @@ class SpeculatorChain:
         types = self.check_types(types)
         self._seqs[seq_id] = _SeqState(types, {t: _context_counters() for t in types},
                                        {t: NO_PROPOSAL for t in types})
+        self._seqs[seq_id].calib = {t: SeqCalibration() for t in types if t in self._calibration}
         for name in types:
             with self._timed(name, "begin"):
                 self.speculators[name].begin(seq_id, prompt_ids)
@@ -173,6 +185,8 @@ class SpeculatorChain:
                     d.source = name
                     proposals[seq_id].append(d)
                     self.stats[name].num_proposals += 1
+                    if name in self._calibration and d.token_probs:
+                        self._calibration[name].record_first(d.token_probs[0])
         by_id = {r.seq_id: r for r in requests}
         winners: dict[int, Draft] = {}
         for seq_id, drafts in proposals.items():
@@ -181,8 +195,9 @@ class SpeculatorChain:
             best = self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)[0]
             state.winner = best
             state.losers = tuple(d for d in drafts if best is None or d.source != best.source)
-            state.winner_tokens = [] if best is None else \
-                next(d.token_ids for d in drafts if d.source == best.source)
+            untrimmed = None if best is None else next(d for d in drafts if d.source == best.source)
+            state.winner_tokens = [] if untrimmed is None else untrimmed.token_ids
+            state.winner_probs = None if untrimmed is None else untrimmed.token_probs
             state.draft_pos = len(by_id[seq_id].token_ids)
             if best is None:
                 state.silent_steps += 1
@@ -197,15 +212,28 @@ class SpeculatorChain:
         each sequence's n_max where expected acceptance stops paying for drafting + verifying,
         and skip the sequence when even that cannot beat the net gain `rival[seq_id]` of the
         best model-free proposal (a one-token shadow draft after `probe_interval` silent
-        rounds when nothing else drafts: scored against the committed tokens, not verified)."""
+        rounds when nothing else drafts: scored against the committed tokens, not verified).
+        Once the drafter's first-token probabilities are known (calibration.py), asking is
+        priced by what its confident tokens gain, and the draft runs while the product of its
+        probabilities still pays for one more position (`p_min_run`)."""
         draft_cost = self._draft_seconds[name] / seconds_per_token if seconds_per_token > 0 else 0.0
+        evidence = total(self._evidence[name])  # every context, every sequence
+        cal = self._calibration.get(name)
         out = []
         for r in requests:
             state = self._seqs[r.seq_id]
-            surv = survival(self._rates_any_context(state, name, r.params.n_max))
-            n = worth_drafting(surv, cost_per_token + draft_cost)
-            if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
-                n = 0
+            value = None if cal is None else cal.value_of_first(
+                cost_per_token + max(0.0, rival[r.seq_id]), state.calib[name].scale)
+            run_floor = 0.0
+            if value is not None:
+                n = r.params.n_max if value > draft_cost else 0
+                run_floor = min(1.0, cost_per_token + draft_cost)
+            else:
+                surv = self._survival_any_context(state, name, r.params.n_max,
+                                                  cost_per_token + draft_cost, evidence)
+                n = worth_drafting(surv, cost_per_token + draft_cost)
+                if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
+                    n = 0
             every = state.probe_every.get(name, self.probe_interval)
             if n == 0 and state.silent_steps >= every and rival[r.seq_id] <= 0:
                 n = 1  # a shadow draft: the silence count restarts, as after a verified one,
@@ -214,7 +242,8 @@ class SpeculatorChain:
                 state.probe_every[name] = min(2 * every, MAX_PROBE_INTERVAL)
             if n > 0:
                 out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
-                    n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min)))
+                    n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min,
+                    p_min_run=max(r.params.p_min_run, run_floor))))
         return out
 
     def _observe_draft_time(self, name: str, seconds: float, num_positions: int) -> None:
@@ -229,7 +258,7 @@ class SpeculatorChain:
         and that gain (0 without one)."""
         best, best_gain = None, 0.0
         for d in drafts:
-            surv = survival(self._draft_rates(state, d))
+            surv = self._draft_survival(state, d, cost_per_token)
             length = worth_drafting(surv, cost_per_token)
             if length == 0 and self.probe_interval == 0:
                 length = 1  # no back-off at all (probe_interval 0): every proposal is verified
@@ -240,27 +269,29 @@ class SpeculatorChain:
                 best, best_gain = d.prefix(length), gain
         return best, best_gain
 
-    def _draft_rates(self, state: _SeqState, d: Draft) -> list[float]:
+    def _draft_survival(self, state: _SeqState, d: Draft, floor: float) -> list[float]:
+        """Survival of `d`'s positions (`survival_above` `floor`): its speculator's verified
+        record, then its record in the sequence's current context, then the sequence's own
+        record in that context, each shrunk towards the one before."""
         probs = d.token_probs
         if probs is None and d.expected_accepted is not None and len(d):
             # Only an overall estimate: the per-position rate a with sum_{i<=k} a^i close to it.
             probs = [_rate_for_expected(d.expected_accepted, len(d))] * len(d)
-        return self._rates(state, d.source, len(d), probs)
+        name, ctx = d.source, state.context[d.source]
+        if name in self._calibration and d.token_probs is not None:
+            return survival_above_rates(
+                calibrated_rates(self._calibration[name], state.calib[name], d.token_probs), floor)
+        return survival_above([self.stats[name], self._evidence[name][ctx]],
+                              state.counts[name][ctx], len(d), floor, probs)
 
-    def _rates(self, state: _SeqState, name: str, length: int,
-               token_probs: list[float] | None = None) -> list[float]:
-        """a_i of `name`'s next draft for this sequence: its verified record, then its record
-        in the sequence's current context, then the sequence's own record in that context."""
-        ctx = state.context[name]
-        return conditional_rates([self.stats[name], self._evidence[name][ctx]],
-                                 state.counts[name][ctx], length, token_probs)
-
-    def _rates_any_context(self, state: _SeqState, name: str, length: int) -> list[float]:
-        """a_i of `name` over all contexts: what asking a model drafter is priced by. (Priced
-        by the context, a head whose last draft matched was asked at c=8 for drafts its own
-        low confidence then kept from verification: 5% of the time spent drafting for nothing.)"""
-        return conditional_rates([self.stats[name], total(self._evidence[name])],
-                                 total(state.counts[name]), length)
+    def _survival_any_context(self, state: _SeqState, name: str, length: int, floor: float,
+                              evidence: AcceptanceCounters) -> list[float]:
+        """Survival of `name`'s next draft over all contexts (`evidence`: the speculator's, all
+        contexts totalled): what asking a model drafter is priced by. (Priced by the context, a
+        head whose last draft matched was asked at c=8 for drafts its own low confidence then
+        kept from verification: 5% of the time spent drafting for nothing.)"""
+        return survival_above([self.stats[name], evidence], total(state.counts[name]), length,
+                              floor)
 
     def _observe(self, state: _SeqState, name: str, known: int, accepted: int) -> None:
         """One (verified or counterfactual) draft of `name`: `known` positions judged, the
@@ -269,6 +300,12 @@ class SpeculatorChain:
         self._evidence[name][ctx].record_draft(known, accepted)
         state.counts[name][ctx].record_draft(known, accepted)
         state.context[name] = _context_after(known, accepted)
+
+    def _calibrate(self, state: _SeqState, name: str, token_probs: list[float] | None,
+                   known: int, accepted: int) -> None:
+        """A model drafter's draft judged (verified or scored): its calibration learns."""
+        if name in self._calibration and token_probs:
+            record_judged(self._calibration[name], state.calib[name], token_probs, known, accepted)
 
     def _score_losers(self, c: CommittedTokens) -> None:
         """Score the last round's unverified proposals against what the target committed after
@@ -284,15 +321,18 @@ class SpeculatorChain:
             known, accepted = observed_acceptance(d.token_ids, truth)
             if known:
                 self._observe(state, d.source, known, accepted)
+                self._calibrate(state, d.source, d.token_probs, known, accepted)
                 self.stats[d.source].num_scored += 1
                 self.stats[d.source].num_scored_first_matched += int(accepted > 0)
                 if accepted:  # a shadow draft that matched: probe at the base rate again
                     state.probe_every.pop(d.source, None)
         if tail is not None:  # the winner was trimmed: its next token meets the sampled one
-            name, ctx, tokens, pos = tail
+            name, ctx, tokens, probs, pos = tail
             hit = len(truth) > pos and tokens[pos] == truth[pos]
             self._evidence[name][ctx].record_position(pos, hit)
             state.counts[name][ctx].record_position(pos, hit)
+            if probs is not None:  # one token, judged with all before it right
+                self._calibrate(state, name, probs[pos:pos + 1], 1, int(hit))
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         """The winning draft of `seq_id` had `num_accepted` tokens accepted."""
@@ -306,8 +346,10 @@ class SpeculatorChain:
         state.probe_every.pop(winner.source, None)  # verified again: probe at the base rate
         ctx = state.context[winner.source]
         self._observe(state, winner.source, len(winner), num_accepted)
+        self._calibrate(state, winner.source, winner.token_probs, len(winner), num_accepted)
         if num_accepted == len(winner) < len(state.winner_tokens):
-            state.tail = (winner.source, ctx, state.winner_tokens, num_accepted)
+            state.tail = (winner.source, ctx, state.winner_tokens, state.winner_probs,
+                          num_accepted)
         for name in state.proposers:
             with self._timed(name, "accept"):
                 self.speculators[name].accept(seq_id, num_accepted, name != winner.source)

@@ -161,7 +161,7 @@ class DraftModelSpeculator(Speculator):
                     continue  # a long catch-up continues next round
                 req, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
                 tok, prob, q = self._pick(logits)
-                if prob < req.params.p_min:
+                if not grow.takes(prob, req.params):
                     continue
                 grow.add(tok, prob, q)
                 pos = chunk.start_pos + len(chunk.token_ids)

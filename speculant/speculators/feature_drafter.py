@@ -362,7 +362,7 @@ class FeatureDrafter(Speculator):
         for row, chunk in enumerate(chunks):
             r, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
             tok, prob, q = self._pick(logits[row])
-            if prob < r.params.p_min:
+            if not grow.takes(prob, r.params):
                 continue
             grow.add(tok, prob, q)
             pos = chunk.start_pos + 1  # the draft entry: (this hidden, this token)

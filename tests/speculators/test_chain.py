@@ -1,7 +1,8 @@
 """The speculator chain: winner by expected gain, accept/is_other routing, backoff, statistics."""
 import pytest
 
-from speculant.speculators.acceptance import net_gain, survival, worth_drafting
+from speculant.speculators.acceptance import (conditional_rates, net_gain, survival, survival_above,
+                                              worth_drafting)
 from speculant.speculators.counters import AcceptanceCounters
 from speculant.speculators.base import Draft, DraftParams, DraftRequest, Speculator
 from speculant.speculators.chain import SpeculatorChain
@@ -46,6 +47,24 @@ def test_worth_drafting_stops_where_survival_falls_below_cost(rates, cost, expec
 def test_net_gain_is_expected_accepted_minus_cost():
     surv = survival([0.5, 0.5])
     assert net_gain(surv, 2, 0.1) == pytest.approx(0.5 + 0.25 - 0.2)
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.05, 0.2, 0.45, 0.9])
+def test_survival_above_is_the_full_survival_cut_where_no_longer_draft_pays(floor):
+    glob, seq = AcceptanceCounters(), AcceptanceCounters()
+    for length, accepted in [(8, 3), (8, 8), (4, 0), (6, 2)]:
+        glob.record_draft(length, accepted)
+    seq.record_draft(5, 1)
+    probs = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05, 0.01]
+    full = survival(conditional_rates([glob], seq, 8, probs))
+    cut = survival_above([glob], seq, 8, floor, probs)
+    assert cut == full[:len(cut)]  # the same values, in the same order
+    assert all(s > floor for s in cut[:-1])
+    assert len(cut) == len(full) or cut[-1] <= floor
+    # what the chain reads from it does not change
+    assert worth_drafting(cut, floor) == worth_drafting(full, floor)
+    n = max(1, worth_drafting(full, floor))
+    assert net_gain(cut, n, floor) == net_gain(full, n, floor)
 
 
 def test_counts_track_reached_and_accepted_positions():

@@ -1,0 +1,133 @@
+"""Model drafters' acceptance by the probability they gave their tokens (calibration.py), and
+how the chain prices their drafts and asks with it."""
+import pytest
+
+from speculant.speculators.base import Draft, DraftBuilder, DraftParams, DraftRequest, Speculator
+from speculant.speculators.calibration import (BIN_WEIGHT, MIN_FIRST, ProbCalibration,
+                                               SeqCalibration, calibrated_rates, record_judged)
+from speculant.speculators.chain import SpeculatorChain
+
+
+def test_a_bin_starts_at_the_drafters_probability_and_learns_what_it_sees():
+    cal = ProbCalibration()
+    assert cal.rate(0.93) == pytest.approx(0.93) and cal.rate(0.15) == pytest.approx(0.15)
+    for _ in range(40):  # over-confident in [0.9, 1]: right one time in four
+        cal.record(0.95, False)
+        cal.record(0.95, False)
+        cal.record(0.95, False)
+        cal.record(0.95, True)
+    assert cal.rate(0.95) == pytest.approx((40 + BIN_WEIGHT * 0.95) / (160 + BIN_WEIGHT))
+    assert cal.rate(0.35) == pytest.approx(0.35)  # other bins untouched
+
+
+def test_judged_draft_records_positions_up_to_the_first_miss():
+    cal, seq = ProbCalibration(), SeqCalibration()
+    record_judged(cal, seq, [0.95, 0.85, 0.55, 0.45], known=4, accepted=2)
+    assert cal.reached[9] == cal.accepted[9] == 1 and cal.reached[8] == cal.accepted[8] == 1
+    assert cal.reached[5] == 1 and cal.accepted[5] == 0  # the miss
+    assert cal.reached[4] == 0  # after the miss: never reached
+    assert seq.accepted == 2 and seq.predicted == pytest.approx(0.95 + 0.85 + 0.55)
+    record_judged(cal, seq, [0.9, 0.9], known=1, accepted=1)  # censored after one known token
+    assert cal.reached[9] == 2
+
+
+def test_a_sequence_where_the_drafter_does_worse_scales_its_rates_down():
+    cal, seq = ProbCalibration(), SeqCalibration()
+    assert calibrated_rates(cal, seq, [0.8, 0.5]) == pytest.approx([0.8, 0.5])
+    for _ in range(20):
+        record_judged(cal, seq, [0.8], known=1, accepted=0)
+    rates = calibrated_rates(cal, seq, [0.8, 0.5])
+    assert rates[0] < 0.3 and rates[1] < 0.5 * 0.5
+
+
+def test_value_of_asking_counts_only_tokens_worth_verifying():
+    cal = ProbCalibration()
+    assert cal.value_of_first(0.3) is None  # nothing seen yet
+    for _ in range(MIN_FIRST):
+        cal.record_first(0.95)  # half the first tokens are sure...
+        cal.record_first(0.05)  # ...half are not (never worth a row at cost 0.3)
+    assert cal.value_of_first(0.3) == pytest.approx(0.5 * (0.95 - 0.3))
+    assert cal.value_of_first(0.99) == 0.0
+
+
+def test_draft_builder_stops_where_the_run_no_longer_pays():
+    params = DraftParams(n_max=8, p_min_run=0.3)
+    grow = DraftBuilder()
+    assert grow.takes(0.2, params)  # the first token is always kept (p_min 0)
+    grow.add(1, 0.9, None)
+    grow = DraftBuilder()
+    grow.add(1, 0.9, None)
+    assert grow.takes(0.5, params)  # 0.45 >= 0.3
+    grow.add(2, 0.5, None)
+    assert not grow.takes(0.6, params)  # 0.27 < 0.3
+    with pytest.raises(ValueError, match="p_min_run"):
+        DraftParams(p_min_run=1.5)
+
+
+class ConfidentModel(Speculator):
+    """A model drafter copying `text` whose first token has probability `p` and is right
+    with probability ~p (every 1/(1-p)-th such token is wrong), later tokens 0.9 and right."""
+
+    is_model_based = True
+
+    def __init__(self, name, text, probs):
+        self.name, self.text, self.probs = name, text, probs  # probs: position -> p of token 0
+        self.asked: list[DraftParams] = []
+
+    def begin(self, seq_id, prompt_ids):
+        pass
+
+    def draft(self, requests):
+        out = {}
+        for r in requests:
+            self.asked.append(r.params)
+            pos = len(r.token_ids)
+            p, right = self.probs(pos)
+            grow = DraftBuilder()
+            for i in range(r.params.n_max):
+                tok = self.text[pos + i] if (i > 0 or right) else 99999
+                prob = p if i == 0 else 0.9
+                if not grow.takes(prob, r.params):
+                    break
+                grow.add(tok, prob, None)
+            out[r.seq_id] = grow.to_draft()
+        return out
+
+    def accept(self, seq_id, num_accepted, is_other):
+        pass
+
+    def end(self, seq_id):
+        pass
+
+
+def drive(chain, text, start, rounds, cost=0.3):
+    from test_chain import run_like_the_engine  # this folder is on sys.path (rootdir conftest)
+    return run_like_the_engine(chain, text, start, rounds, cost=cost)
+
+
+def test_the_chain_verifies_a_calibrated_drafters_sure_tokens_not_its_unsure_ones():
+    """Half the positions the model is sure (p 0.95, right), half unsure (p 0.1, wrong).
+    Priced by its calibration the chain verifies the sure drafts and none of the unsure ones,
+    where its average (0.5) alone would have verified both or neither."""
+    text = list(range(2000, 4000))
+    model = ConfidentModel("model", text, lambda pos: (0.95, True) if pos % 2 else (0.1, False))
+    chain = SpeculatorChain([model], probe_interval=1000)
+    chain.begin(0, text[:10], ("model",))
+    drive(chain, text, 10, 60)
+    stats = chain.stats["model"]
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens >= stats.num_drafts
+    # unsure first tokens were never verified: every verified draft had its first token right
+    assert stats.accepted_per_pos[0] == stats.num_drafts
+    assert model.asked[-1].p_min_run > 0  # asked to stop where the run stops paying
+
+
+def test_an_over_confident_drafter_is_priced_out_by_what_it_shows():
+    """A model that gives p 0.95 to wrong first tokens: after a few verified misses its
+    calibration bin falls, and the chain stops verifying (and asking, but for shadow drafts)."""
+    text = list(range(5000, 7000))
+    model = ConfidentModel("model", text, lambda pos: (0.95, False))
+    chain = SpeculatorChain([model], probe_interval=1000)
+    chain.begin(0, text[:10], ("model",))
+    lengths = drive(chain, text, 10, 40)
+    assert lengths[0] > 0 and max(lengths[-20:]) == 0
+    assert chain.stats["model"].num_drafts <= 12
