@@ -200,12 +200,18 @@ class Speculator(ABC):
       nothing for this speculator).
     - `provides_probs`: drafts carry `probs`, so rejection sampling can use them.
     - `is_model_based`: drafting runs a neural network (costs real time per token).
+
+    `sunk_draft_seconds`: a model drafter may report how much of its last `draft` call went
+    to work it does whether or not it drafts (a feature drafter computing the head entries of
+    committed tokens, which `process` computes anyway once they pile up); the chain prices
+    asking it by the rest.
     """
 
     name: ClassVar[str] = ""
     hidden_layers: tuple[int, ...] = ()
     provides_probs: ClassVar[bool] = False
     is_model_based: ClassVar[bool] = False
+    sunk_draft_seconds: float = 0.0
 
     @abstractmethod
     def begin(self, seq_id: int, prompt_ids: list[int]) -> None:

@@ -172,11 +172,12 @@ class SpeculatorChain:
             if not mine:
                 continue
             t0 = time.perf_counter()
+            spec.sunk_draft_seconds = 0.0
             with self._timed(name, "draft"):
                 drafts = spec.draft(mine)
             if spec.is_model_based:
-                self._observe_draft_time(name, time.perf_counter() - t0,
-                                         sum(len(d) for d in drafts.values()))
+                spent = time.perf_counter() - t0 - spec.sunk_draft_seconds
+                self._observe_draft_time(name, max(0.0, spent), sum(len(d) for d in drafts.values()))
             for r in mine:  # asked and silent: its next draft starts a new run
                 if len(drafts.get(r.seq_id) or ()) == 0:
                     self._seqs[r.seq_id].context[name] = NO_PROPOSAL

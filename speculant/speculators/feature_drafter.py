@@ -39,6 +39,7 @@ vocabulary, so rejection sampling stays lossless.
 from __future__ import annotations
 
 import os
+import time
 from abc import abstractmethod
 from dataclasses import dataclass, field
 
@@ -290,8 +291,12 @@ class FeatureDrafter(Speculator):
         """Draft token 1 comes from the newest committed entry (computed here with the other
         waiting entries, or kept by `process`); each further token is one batched forward of
         draft entries fed with the head's own hidden."""
+        t0 = time.perf_counter()
         pending = [self._pending_chunk(r) for r in requests if r.params.n_max > 0]
         self._compute_committed([c for c in pending if c is not None])
+        # committed entries are computed anyway (by `process` once PENDING_LIMIT wait): not a
+        # price of drafting (priced in, a head asked rarely looked dear, so it was asked rarer)
+        self.sunk_draft_seconds = time.perf_counter() - t0
         ready = [r for r in requests if self._can_draft(r)]
         grown: dict[int, DraftBuilder] = {r.seq_id: DraftBuilder() for r in ready}
         by_id = {r.seq_id: r for r in requests}

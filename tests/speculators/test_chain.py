@@ -180,6 +180,27 @@ class SlowModelDrafter(Fixed):
         return out
 
 
+def test_work_a_model_drafter_does_anyway_is_not_priced_as_drafting():
+    """A drafter whose draft call mostly mirrors committed tokens (work `process` does anyway)
+    reports it as `sunk_draft_seconds`: the chain prices asking it by the rest only."""
+
+    class MirroringDrafter(SlowModelDrafter):
+        def draft(self, requests):
+            import time
+
+            time.sleep(0.05)  # mirroring committed tokens
+            self.sunk_draft_seconds = 0.05
+            return super().draft(requests)
+
+    plain = SlowModelDrafter("plain", [5, 6], seconds_per_position=0.0)
+    mirror = MirroringDrafter("mirror", [5, 6], seconds_per_position=0.0)
+    for spec in (plain, mirror):
+        chain = SpeculatorChain([spec])
+        chain.begin(0, [1, 2], (spec.name,))
+        chain.draft([request()], cost_per_token=0.1, seconds_per_token=0.01)
+        assert chain._draft_seconds[spec.name] < 0.01  # per drafted position: not the 0.05 s
+
+
 def test_model_drafter_is_budgeted_by_its_draft_time():
     """The model drafter's n_max shrinks when its draft time is as dear as a plain token."""
     model = SlowModelDrafter("model", [5, 6, 0, 0], seconds_per_position=0.004)
