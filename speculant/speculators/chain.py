@@ -19,6 +19,10 @@ counterfactual verification, censored where the committed tokens end). Without i
 that lost a few early rounds was never measured again: on rag its perfect 12-token copies
 stayed unverified for 15 steps in a row, priced by its failures elsewhere.
 
+A model drafter's tokens are priced by the probability it gave them, through its learned
+acceptance per probability bin (`calibration.py`): its sure tokens are verified, its unsure ones
+not, and asking it is priced by what its sure first tokens gain against its drafting time.
+
 The chain also keeps the statistics of each speculator (calls, drafts, tokens, acceptance per
 position, time in each call), as llama.cpp's `common_speculative` does.
 """
@@ -271,9 +275,10 @@ class SpeculatorChain:
         return best, best_gain
 
     def _draft_survival(self, state: _SeqState, d: Draft, floor: float) -> list[float]:
-        """Survival of `d`'s positions (`survival_above` `floor`): its speculator's verified
-        record, then its record in the sequence's current context, then the sequence's own
-        record in that context, each shrunk towards the one before."""
+        """Survival of `d`'s positions (`survival_above` `floor`). A model drafter's tokens:
+        their calibrated rates (calibration.py). Others: the speculator's verified record, then
+        its record in the sequence's current context, then the sequence's own record in that
+        context, each shrunk towards the one before."""
         probs = d.token_probs
         if probs is None and d.expected_accepted is not None and len(d):
             # Only an overall estimate: the per-position rate a with sum_{i<=k} a^i close to it.
