@@ -7,7 +7,9 @@ The tuner closes that loop on what the user sees. Per concurrency bucket it runs
 small grid of draft limits (`n_max`; 0 = no drafting at all, plain decoding; by default just 0
 and the engine's own limit, i.e. whether to draft at all): each decode step uses one arm, and the
 arm is scored by *goodput*, tokens committed per second of engine time (drafting, forward and
-verification included), smoothed so the choice follows a workload that changes. Requests that
+verification included), relative to what plain decoding would have taken for those tokens at
+that step (the step-cost model's estimate, corrected by the measured plain steps; `ArmStats`),
+smoothed so the choice follows a workload that changes. Requests that
 set their own `n_max` are not tuned; `speculant tune` searches n_max and p_min offline.
 
 Policy (the configured limit is the incumbent, as in ik_llama.cpp's speculative tuner, which
@@ -45,21 +47,38 @@ DECISIVE_GAP = 1.5
 @dataclass(slots=True)
 class ArmStats:
     """Measured goodput of one draft limit: exponentially weighted sums of the tokens and the
-    seconds of the steps that used it (a ratio of sums: one slow step does not dominate)."""
+    seconds of the steps that used it (a ratio of sums: one slow step does not dominate), and of
+    what plain decoding would have taken for the same tokens at the same step (`plain_seconds`:
+    tokens x the step-cost model's plain seconds per token for that batch and context).
+
+    Arms are compared by `speedup` = plain_seconds / seconds, each step measured against plain
+    decoding at its own batch size and context: a step at context 2000 is slower than one at 200
+    whichever arm takes it, so raw goodput compared arms measured at different points of the
+    text (plain probed early in a prompt looked 10% faster than drafting later in it). The plain
+    arm's own speedup is the model's error (measured / predicted plain steps), so the comparison
+    stays honest where the model is biased."""
 
     n_max: int
     pulls: int = 0
     last_pull: int = -1  # the bucket's step count when it was last used
     tokens: float = 0.0
     seconds: float = 0.0
+    plain_seconds: float = 0.0
 
     @property
-    def goodput(self) -> float:  # tokens / s
+    def goodput(self) -> float:  # tokens / s, as measured (reported, not compared)
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def observe(self, tokens: int, seconds: float, smoothing: float, step: int) -> None:
-        self.tokens = (1 - smoothing) * self.tokens + tokens
-        self.seconds = (1 - smoothing) * self.seconds + seconds
+    @property
+    def speedup(self) -> float:  # over plain decoding at the same steps (what arms are compared by)
+        return self.plain_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def observe(self, tokens: int, seconds: float, plain_token_s: float, smoothing: float,
+                step: int) -> None:
+        keep = 1 - smoothing
+        self.tokens = keep * self.tokens + tokens
+        self.seconds = keep * self.seconds + seconds
+        self.plain_seconds = keep * self.plain_seconds + tokens * plain_token_s
         self.pulls += 1
         self.last_pull = step
 
@@ -141,14 +160,17 @@ class SpecTuner:
         state.current = index
         return arms[index].n_max
 
-    def observe(self, num_decoding: int, tokens: int, seconds: float) -> None:
-        """The step that used the last chosen limit committed `tokens` in `seconds`."""
+    def observe(self, num_decoding: int, tokens: int, seconds: float,
+                plain_token_s: float) -> None:
+        """The step that used the last chosen limit committed `tokens` in `seconds`; plain
+        decoding would have taken `plain_token_s` per token for this batch (the step-cost
+        model's estimate at this step)."""
         state = self._bucket(num_decoding)
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
-        arm.observe(tokens, seconds, self.config.smoothing, state.steps)
+        arm.observe(tokens, seconds, plain_token_s, self.config.smoothing, state.steps)
         state.steps += 1
         if arm is not incumbent and not state.measuring and \
-                arm.goodput < (1 - 2 * self.config.margin) * incumbent.goodput:
+                arm.speedup < (1 - 2 * self.config.margin) * incumbent.speedup:
             self._back_off(state)  # a re-measured arm that is far behind: probe it rarer
         self._challenge(state)
 
@@ -163,6 +185,7 @@ class SpecTuner:
             "n_max": s.arms[s.incumbent].n_max, "steps": s.steps,
             "num_switches_off": s.num_switches_off,
             "goodput_tok_s": {str(a.n_max): round(a.goodput, 1) for a in s.arms if a.pulls},
+            "speedup": {str(a.n_max): round(a.speedup, 3) for a in s.arms if a.pulls},
         } for bound, s in sorted(self._buckets.items())}
 
     def _bucket(self, num_decoding: int) -> BucketState:
@@ -191,12 +214,12 @@ class SpecTuner:
         arms = state.arms
         measured = [i for i, a in enumerate(arms) if a.pulls >= self.config.min_pulls]
         plain, incumbent = arms[0], arms[state.incumbent]  # arm 0: the smallest limit
-        if plain.pulls and incumbent.pulls and plain.goodput > DECISIVE_GAP * incumbent.goodput:
+        if plain.pulls and incumbent.pulls and plain.speedup > DECISIVE_GAP * incumbent.speedup:
             measured = sorted(set(measured) | {0, state.incumbent})
         if 0 not in measured or state.incumbent not in measured:
             return
-        best = max(measured, key=lambda i: arms[i].goodput)
-        if arms[best].goodput <= (1 + self.config.margin) * arms[state.incumbent].goodput:
+        best = max(measured, key=lambda i: arms[i].speedup)
+        if arms[best].speedup <= (1 + self.config.margin) * arms[state.incumbent].speedup:
             return
         if arms[best].n_max == 0:
             state.num_switches_off += 1

@@ -38,6 +38,10 @@ class DraftParams:
     # this (the first token is always kept): the chain's break-even for drafting one more
     # position of a model drafter, whose later tokens are then drafted only while they can pay
     p_min_run: float = 0.0
+    # a model drafter that must catch up on more history than this restarts its context on the
+    # last `context_tokens` tokens (0: its own setting): the chain's shadow probes and first
+    # asks of a draft model, which would otherwise re-read up to its whole window each time
+    context_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.n_max < 0:
@@ -50,6 +54,8 @@ class DraftParams:
             raise ValueError(f"p_min must be in [0, 1], got {self.p_min}")
         if not 0.0 <= self.p_min_run <= 1.0:
             raise ValueError(f"p_min_run must be in [0, 1], got {self.p_min_run}")
+        if self.context_tokens < 0:
+            raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
 
 
 @dataclass(slots=True)

@@ -60,6 +60,11 @@ from speculant.speculators.base import (
 NO_PROPOSAL, MISSED, MATCHED = 0, 1, 2
 NUM_CONTEXTS = 3
 MAX_PROBE_INTERVAL = 512  # silent rounds between shadow drafts of a model drafter, at most
+# The most history a model drafter re-reads for a shadow draft or a first, not yet priced ask
+# (DraftParams.context_tokens): those drafts mostly show that the drafter does not pay, and a
+# draft model catching up 8 prompts or 150 silent tokens took 7-16 decode steps' time for them
+# (translation, c=8, 4-layer draft); 64 tokens of context still carry the local text it drafts.
+PROBE_CONTEXT_TOKENS = 64
 
 
 def _context_counters() -> list[AcceptanceCounters]:
@@ -240,15 +245,17 @@ class SpeculatorChain:
                 if n > 0 and net_gain(surv, n, cost_per_token + draft_cost) <= rival[r.seq_id]:
                     n = 0
             every = state.probe_every.get(name, self.probe_interval)
+            window = PROBE_CONTEXT_TOKENS if value is None else 0  # a first ask: not priced yet
             if n == 0 and state.silent_steps >= every and rival[r.seq_id] <= 0:
-                n = 1  # a shadow draft: the silence count restarts, as after a verified one,
-                state.silent_steps = 0  # and the next one comes twice as late (measured: one
-                # every 16 rounds cost eagle3 6% of a c=8 run where it never paid)
+                n, window = 1, PROBE_CONTEXT_TOKENS  # a shadow draft: the silence count
+                state.silent_steps = 0  # restarts, as after a verified one, and the next one
+                # comes twice as late (measured: one every 16 rounds cost eagle3 6% of a c=8
+                # run where it never paid)
                 state.probe_every[name] = min(2 * every, MAX_PROBE_INTERVAL)
             if n > 0:
                 out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
                     n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min,
-                    p_min_run=max(r.params.p_min_run, run_floor))))
+                    p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window)))
         return out
 
     def _observe_draft_time(self, name: str, seconds: float, num_positions: int) -> None:

@@ -32,7 +32,10 @@ from speculant.speculators.ngram_match import common_prefix_len
 @dataclass(slots=True)
 class DraftModelConfig:
     """- model: path of the draft model (GGUF or HF folder); `--draft-model` sets it.
-    - dtype: weights of the draft (auto keeps GGUF quantization).
+    - dtype: weights of the draft. auto keeps a GGUF's quantization and packs the float
+      weights of an HF folder as Q8_0: a draft's precision changes only how often it is right,
+      never the output, and Q8_0 runs the shipped 4-layer draft 1.6x (catching up) to 2x (one
+      token) faster than F32 on AVX2.
     - kv_cache_tokens: capacity of the shared draft KV cache (all sequences).
     - kv_dtype: its element type, float16 or float32.
     - max_chunk_tokens: longest catch-up evaluated in one draft forward (long prompts are
@@ -179,7 +182,8 @@ class DraftModelSpeculator(Speculator):
         cached, offset = self._state(r.seq_id), self._offset[r.seq_id]
         history = r.token_ids
         keep = min(common_prefix_len(cached, history[offset:]), len(history) - offset - 1)
-        window = self.config.context_tokens
+        window = min((w for w in (self.config.context_tokens, r.params.context_tokens) if w),
+                     default=0)
         if window and len(history) - offset - keep > window:
             keep, self._offset[r.seq_id] = 0, len(history) - window
         if keep < len(cached):
@@ -247,6 +251,13 @@ def trained_head_tokens(path: str) -> int:
         return int(json.load(f).get(HEAD_TOKENS_KEY, 0))
 
 
+def draft_dtype(path: str, dtype: str) -> str:
+    """The weight format a draft loads in: `auto` is Q8_0 for float (HF folder) weights."""
+    from speculant.models.loader import resolve_model
+
+    return "q8_0" if dtype == "auto" and resolve_model(path).kind == "hf" else dtype
+
+
 def load_draft(path: str, dtype: str, device: str):
     from speculant.models.loader import load_model
     from speculant.models.llama import Model
@@ -254,5 +265,5 @@ def load_draft(path: str, dtype: str, device: str):
 
     if not path:
         raise ValueError("draft: no draft model given (use --draft-model PATH)")
-    loaded = load_model(path, dtype)
+    loaded = load_model(path, draft_dtype(path, dtype))
     return Model(loaded.config, loaded.weights, device), load_tokenizer(loaded.files)

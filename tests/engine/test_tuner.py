@@ -7,13 +7,14 @@ from speculant.engine.sampling_params import SamplingParams, SpecParams
 from speculant.engine.tuner import SpecTuner, TunerConfig, concurrency_bucket
 
 
-def run_bandit(tuner, goodput_of, steps, num_decoding=1):
-    """Drive the tuner with a deterministic goodput per draft limit; returns the choices."""
+def run_bandit(tuner, goodput_of, steps, num_decoding=1, plain_token_s=lambda step: 0.01):
+    """Drive the tuner with a deterministic goodput per draft limit (tokens per 1-second step;
+    plain decoding estimated at `plain_token_s(step)` per token); returns the choices."""
     choices = []
-    for _ in range(steps):
+    for i in range(steps):
         n = tuner.choose(num_decoding)
         choices.append(n)
-        tuner.observe(num_decoding, int(goodput_of(n)), 1.0)
+        tuner.observe(num_decoding, int(goodput_of(n)), 1.0, plain_token_s(i))
     return choices
 
 
@@ -109,6 +110,7 @@ def synthetic_engine(rate):
                     spec_options={"synthetic": {"rates": [rate]}}, num_threads=TEST_THREADS,
                     kv_cache_tokens=8192)
     engine._tuner_seconds = lambda num_tokens, measured_s: 1.0 + ROW_COST * (num_tokens - 1)
+    engine._tuner_plain_token_s = lambda num_seqs: (1.0 + ROW_COST * (num_seqs - 1)) / num_seqs
     return engine
 
 
@@ -121,6 +123,21 @@ def test_engine_stops_drafting_on_synthetic_acceptance_zero():
     seq = engine.run_to_completion(["Tell me another story."], params)[0]
     assert seq.spec.num_drafts <= seq.spec.num_steps // 16  # only re-measurement probes
     assert engine.status().tuner["1"]["steps"] > 200
+
+
+def test_engine_scores_no_step_before_its_cost_model_is_fitted():
+    """Steps are scored against the step-cost model's plain-step estimate, so the tuner waits
+    for the model to fit this engine's own steps (its prior once made the first drafting steps
+    look 40% slower than plain at c=8 and switched drafting off for good)."""
+    engine = synthetic_engine(0.0)
+    engine._tuner_plain_token_s = lambda num_seqs: pytest.fail("scored before the fit")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.run_to_completion(["Tell me a story."], params)
+    assert not engine.cost.fitted and engine.status().tuner == {}
+    engine._tuner_plain_token_s = lambda num_seqs: 1.0
+    engine.run_to_completion(["Tell me a story."], SamplingParams(max_tokens=32, temperature=0.0,
+                                                                  ignore_eos=True))
+    assert engine.cost.fitted and engine.status().tuner["1"]["steps"] > 0
 
 
 def test_engine_tuner_picks_long_drafts_on_synthetic_acceptance_high():
@@ -141,6 +158,26 @@ def test_tuned_outputs_equal_plain(default_engine):
                                                               spec=SpecParams(enabled=False)))
     tuned = engine.run_to_completion([prompt], SamplingParams(max_tokens=64, temperature=0.0))
     assert tuned[0].output_ids == plain[0].output_ids
+
+
+def test_arms_are_compared_at_their_own_steps_context():
+    """Steps slow down as the context grows (here plain decoding from 100 to 50 tokens/s over
+    the run) whichever arm takes them; drafting always commits 1.2x plain's tokens. Compared by
+    raw goodput, plain measured early beat drafting measured later and switched drafting off;
+    compared with plain decoding at the same step (the step-cost model's estimate), drafting
+    keeps its 1.2x and is never switched off."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    steps = 2000
+    plain_rate = lambda i: 100 - 50 * i / steps  # tokens/s of plain decoding at step i
+    choices = []
+    for i in range(steps):
+        n = tuner.choose(1)
+        choices.append(n)
+        rate = plain_rate(i) * (1.2 if n else 1.0)
+        tuner.observe(1, rate, 1.0, 1.0 / plain_rate(i))
+    assert tuner.best(1) == 16 and tuner.summary()["1"]["num_switches_off"] == 0
+    assert choices[-500:].count(16) >= 495
+    assert tuner.summary()["1"]["speedup"]["16"] == pytest.approx(1.2, rel=0.01)
 
 
 def test_noise_around_equal_goodput_keeps_the_untuned_limit():

@@ -5,7 +5,7 @@ from speculant.speculators.acceptance import (conditional_rates, net_gain, survi
                                               worth_drafting)
 from speculant.speculators.counters import AcceptanceCounters
 from speculant.speculators.base import Draft, DraftParams, DraftRequest, Speculator
-from speculant.speculators.chain import SpeculatorChain
+from speculant.speculators.chain import PROBE_CONTEXT_TOKENS, SpeculatorChain
 
 
 class Fixed(Speculator):
@@ -328,15 +328,19 @@ def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
 
         def draft(self, requests):
             self.asked.extend(r.params.n_max for r in requests)
+            self.windows.extend(r.params.context_tokens for r in requests)
             return {r.seq_id: Draft(d.token_ids[:r.params.n_max])
                     for r, d in zip(requests, super().draft(requests).values())}
 
     model = ModelCopier("model", text)
+    model.windows = []
     chain = SpeculatorChain([model], probe_interval=4)
     chain.begin(0, text[:10], ("model",))
     lengths = run_like_the_engine(chain, text, 10, 16)
     assert lengths[0] > 0 and lengths[-1] == 0 and max(lengths[-8:]) == 0
     assert model.asked[-1] == 1  # shadow probes of one token, never verified...
+    # ...re-reading a short window of the history, as the first, not yet priced asks did
+    assert model.windows[0] == model.windows[-1] == PROBE_CONTEXT_TOKENS
     assert len(model.asked) <= 7  # ...one per `probe_interval` silent rounds, not every round
     asked = len(model.asked)
     run_like_the_engine(chain, text, 40, 60)  # still wrong: probes come twice as late each time

@@ -91,6 +91,44 @@ def test_long_catch_up_restarts_the_draft_context_on_its_last_tokens(self_draft_
         spec.end(200)
 
 
+def test_a_draft_may_ask_for_a_shorter_catch_up_window(self_draft_engine):
+    """DraftParams.context_tokens below the drafter's own window (the chain's shadow probes
+    and first asks): the draft restarts on that many last tokens; a later ordinary draft
+    extends that context instead of re-reading the longer window."""
+    from speculant.speculators.base import DraftParams, DraftRequest
+
+    spec: DraftModelSpeculator = self_draft_engine.speculator("draft")
+    tok = self_draft_engine.tokenizer
+    history = tok.encode(" ".join(["The quick brown fox jumps over the lazy dog."] * 40))
+    assert len(history) > spec.config.context_tokens > 64
+    spec.begin(201, history)
+    try:
+        spec.draft([DraftRequest(201, history, DraftParams(n_max=1, context_tokens=64))])
+        assert spec._offset[201] == len(history) - 64 and len(spec._cached[201]) == 64
+        grown = history + tok.encode(" The quick")
+        spec.draft([DraftRequest(201, grown, DraftParams(n_max=2))])
+        assert spec._offset[201] == len(history) - 64  # extended, not restarted on 256
+        assert spec._cached[201][:64 + 2] == grown[len(history) - 64:][:66]
+    finally:
+        spec.end(201)
+    with pytest.raises(ValueError, match="context_tokens"):
+        DraftParams(context_tokens=-1)
+
+
+def test_float_drafts_load_as_q8_0_unless_told_otherwise(tmp_path, default_tokenizer_dir):
+    """A draft's precision changes how often it is right, never the output: an HF folder's
+    float weights are packed as Q8_0 by default (dtype auto); a GGUF keeps its own blocks and an
+    explicit dtype wins."""
+    from speculant.models.loader import default_model_path
+    from speculant.speculators.draft_model import draft_dtype
+
+    folder = tmp_path / "tiny"
+    save_tiny_hf_model(folder, default_tokenizer_dir, "llama")
+    assert draft_dtype(str(folder), "auto") == "q8_0"
+    assert draft_dtype(str(folder), "float32") == "float32"
+    assert draft_dtype(default_model_path(), "auto") == "auto"
+
+
 def test_windowed_draft_on_a_long_prompt_is_exact_and_still_accepted(self_draft_engine):
     long_prompt = "Repeat this text: " + " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
     plain = run(self_draft_engine, [long_prompt], SpecParams(enabled=False))
