@@ -19,11 +19,15 @@ six arms chased noise and lost 5-15% to the untuned chain):
 - the arms are first tried round-robin, `min_pulls` times each (interleaved, so the warm-up and
   any drift of the machine hit them alike), the incumbent being the engine's own `n_max`;
 - then the incumbent is used, and another arm replaces it only when its goodput beats the
-  incumbent's by `margin` (hysteresis both ways: plain decoding must beat drafting by the margin
-  to switch it off, drafting must beat plain by it to switch it back on); now and then the arm
-  measured longest ago is measured again, so a change in the workload moves the choice. The
-  interval starts at `explore_every` steps and doubles (up to `max_explore_every`) while the
-  incumbent holds, so a settled choice costs under 1% in probes, and resets when it changes.
+  incumbent's by `margin` *and* by `confidence` standard errors of the measured difference
+  (`ArmStats.speedup_var`: drafting steps are bursty, four of them leave +-10%, and a plain
+  margin switched a 1.5x chain off on translation at c=8). Hysteresis works both ways: plain
+  decoding must clearly beat drafting to switch it off, drafting must clearly beat plain to
+  switch it back on. Now and then another arm is measured again: every `explore_every` steps
+  the most promising one while some arm might still beat the incumbent by the margin (too few
+  steps to tell), else the one measured longest ago, at intervals that double (up to
+  `max_explore_every`), so a settled choice costs under 1% in probes and a change in the
+  workload still moves the choice.
   Where speculation does not pay, plain decoding wins within a few dozen steps and the engine
   then drafts nothing; where it pays, the untuned limit is kept unless another is clearly better.
 """
@@ -42,6 +46,7 @@ CONCURRENCY_BUCKETS = (1, 2, 4, 8, 16, 32)  # a bucket holds concurrencies up to
 # draft model's first steps (catching up on 8 prompts at c=8) cost ~10 plain steps each, and
 # measuring it 4 times cost short benchmark runs up to 20%.
 DECISIVE_GAP = 1.5
+PRIOR_STEPS = 2.0  # pseudo-steps of the assumed per-step noise in an arm's variance
 
 
 @dataclass(slots=True)
@@ -56,7 +61,13 @@ class ArmStats:
     whichever arm takes it, so raw goodput compared arms measured at different points of the
     text (plain probed early in a prompt looked 10% faster than drafting later in it). The plain
     arm's own speedup is the model's error (measured / predicted plain steps), so the comparison
-    stays honest where the model is biased."""
+    stays honest where the model is biased.
+
+    `speedup_var` is how uncertain that ratio is: the weighted spread of the steps around it
+    (second moments kept beside the sums), divided by how many steps the weights amount to. A
+    drafting step's speedup is bursty (measured on the chain at c=8: 0.79-1.25 from the 10th to
+    the 90th percentile, a copy hit commits 10 tokens and the next step 1), so four steps each
+    leave +-10%, more than the 5% margin: comparisons that ignored it switched a 1.5x chain off."""
 
     n_max: int
     pulls: int = 0
@@ -64,6 +75,11 @@ class ArmStats:
     tokens: float = 0.0
     seconds: float = 0.0
     plain_seconds: float = 0.0
+    weight: float = 0.0  # sum of the steps' weights (each step enters at 1, then decays)
+    weight_sq: float = 0.0  # sum of their squares (the effective number of steps is w^2 / w2)
+    plain_sq: float = 0.0  # weighted sums of plain_s^2, s^2 and plain_s * s per step
+    seconds_sq: float = 0.0
+    cross: float = 0.0
 
     @property
     def goodput(self) -> float:  # tokens / s, as measured (reported, not compared)
@@ -73,12 +89,32 @@ class ArmStats:
     def speedup(self) -> float:  # over plain decoding at the same steps (what arms are compared by)
         return self.plain_seconds / self.seconds if self.seconds > 0 else 0.0
 
+    def speedup_var(self, prior_rel_sd: float) -> float:
+        """Variance of `speedup`: a ratio of sums, so (delta method) the weighted mean square of
+        the steps' residuals plain_s - speedup * s, times sum(w^2) / seconds^2. One pseudo-step
+        of `prior_rel_sd` relative noise is added: one or two steps that happen to agree are not
+        certainty."""
+        if self.pulls == 0 or self.seconds <= 0:
+            return math.inf
+        r = self.speedup
+        residual_sq = max(self.plain_sq - 2 * r * self.cross + r * r * self.seconds_sq, 0.0)
+        mean_seconds = self.seconds / self.weight
+        prior_sq = (prior_rel_sd * r * mean_seconds) ** 2
+        residual_var = (residual_sq + PRIOR_STEPS * prior_sq) / (self.weight + PRIOR_STEPS)
+        return residual_var * self.weight_sq / (self.seconds * self.seconds)
+
     def observe(self, tokens: int, seconds: float, plain_token_s: float, smoothing: float,
                 step: int) -> None:
         keep = 1 - smoothing
+        plain_s = tokens * plain_token_s
         self.tokens = keep * self.tokens + tokens
         self.seconds = keep * self.seconds + seconds
-        self.plain_seconds = keep * self.plain_seconds + tokens * plain_token_s
+        self.plain_seconds = keep * self.plain_seconds + plain_s
+        self.weight = keep * self.weight + 1.0
+        self.weight_sq = keep * keep * self.weight_sq + 1.0
+        self.plain_sq = keep * self.plain_sq + plain_s * plain_s
+        self.seconds_sq = keep * self.seconds_sq + seconds * seconds
+        self.cross = keep * self.cross + plain_s * seconds
         self.pulls += 1
         self.last_pull = step
 
@@ -111,7 +147,10 @@ class TunerConfig:
     - explore_every, max_explore_every: the first and the longest interval between
       re-measurements of the limit measured longest ago.
     - smoothing: how fast an arm forgets old steps (weight decay per step it is used).
-    - margin: how much more goodput than plain decoding a draft limit needs to be chosen."""
+    - margin: how much more goodput than plain decoding a draft limit needs to be chosen.
+    - confidence: how many standard errors of the measured difference an arm must also lead
+      by to displace the incumbent (the choice is re-checked every step, hence well above 2).
+    - prior_rel_sd: the per-step noise assumed before any spread is measured (one pseudo-step)."""
 
     grid: tuple[int, ...] = DEFAULT_GRID
     min_pulls: int = 4
@@ -119,6 +158,8 @@ class TunerConfig:
     max_explore_every: int = 1024
     smoothing: float = 0.02
     margin: float = 0.05
+    confidence: float = 2.5
+    prior_rel_sd: float = 0.3
 
     def __post_init__(self) -> None:
         self.grid = tuple(sorted(set(int(n) for n in self.grid)))
@@ -131,6 +172,8 @@ class TunerConfig:
             raise ValueError(f"tuner: smoothing must be in (0, 1], got {self.smoothing}")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"tuner: margin must be in [0, 1), got {self.margin}")
+        if self.confidence < 0.0 or self.prior_rel_sd < 0.0:
+            raise ValueError("tuner: confidence and prior_rel_sd must be >= 0")
 
 
 class SpecTuner:
@@ -169,9 +212,8 @@ class SpecTuner:
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
         arm.observe(tokens, seconds, plain_token_s, self.config.smoothing, state.steps)
         state.steps += 1
-        if arm is not incumbent and not state.measuring and \
-                arm.speedup < (1 - 2 * self.config.margin) * incumbent.speedup:
-            self._back_off(state)  # a re-measured arm that is far behind: probe it rarer
+        if arm is not incumbent and not state.measuring:
+            self._after_probe(state, arm, incumbent)
         self._challenge(state)
 
     def best(self, num_decoding: int) -> int:
@@ -219,7 +261,7 @@ class SpecTuner:
         if 0 not in measured or state.incumbent not in measured:
             return
         best = max(measured, key=lambda i: arms[i].speedup)
-        if arms[best].speedup <= (1 + self.config.margin) * arms[state.incumbent].speedup:
+        if not self._leads(arms[best], arms[state.incumbent]):
             return
         if arms[best].n_max == 0:
             state.num_switches_off += 1
@@ -227,19 +269,48 @@ class SpecTuner:
         state.explore_interval = self.config.explore_every
         state.next_explore = state.steps + state.explore_interval
 
-    def _back_off(self, state: BucketState) -> None:
-        """Double the re-measurement interval once more. A probe of a losing draft model is
-        costly (it catches up on every sequence's tokens since its last draft), so where it
-        lost by far, as the shipped draft on chat at c=8, it is measured half as often."""
-        state.explore_interval = min(2 * state.explore_interval, self.config.max_explore_every)
+    def _leads(self, arm: ArmStats, incumbent: ArmStats) -> bool:
+        """Whether `arm` beats the incumbent by the margin and by `confidence` standard errors
+        of the difference (noise alone does not move the choice either way)."""
+        gap = arm.speedup - incumbent.speedup
+        return arm.speedup > (1 + self.config.margin) * incumbent.speedup and \
+            gap > self.config.confidence * self._diff_sd(arm, incumbent)
+
+    def _diff_sd(self, a: ArmStats, b: ArmStats) -> float:
+        prior = self.config.prior_rel_sd
+        return math.sqrt(a.speedup_var(prior) + b.speedup_var(prior))
+
+    def _after_probe(self, state: BucketState, arm: ArmStats, incumbent: ArmStats) -> None:
+        """A re-measured arm far behind the incumbent is probed half as often again: a probe of
+        a losing draft model is costly (it catches up on every sequence's tokens since its last
+        draft), as the shipped draft on chat at c=8."""
+        if arm.speedup < (1 - 2 * self.config.margin) * incumbent.speedup:
+            state.explore_interval = min(2 * state.explore_interval,
+                                         self.config.max_explore_every)
+
+    def _upper(self, arm: ArmStats, incumbent: ArmStats) -> float:
+        """How fast `arm` might still be: its speedup plus `confidence` standard errors of its
+        difference from the incumbent."""
+        return arm.speedup + self.config.confidence * self._diff_sd(arm, incumbent)
 
     def _explore(self, state: BucketState) -> int:
-        """The arm measured longest ago (not the incumbent); the next re-measurement comes
-        twice as late, up to the longest interval. (An inheriting bucket thus measures slowly:
-        at c=8 on long prompts most steps carry prefill chunks, and re-measuring plain every 8
-        of the few decode-only steps cost the chain 10% there.)"""
-        others = [i for i in range(len(state.arms)) if i != state.incumbent] or [state.incumbent]
-        index = min(others, key=lambda i: state.arms[i].last_pull)
+        """The arm to re-measure. While some arm might still beat the incumbent by the margin
+        (its upper bound reaches the switching line: too few steps to tell), the most promising
+        such arm, every `explore_every` steps; once none can, the arm measured longest ago,
+        twice as late each time (up to the longest interval), so a settled choice costs under
+        1% in probes and still follows a workload that changes. (An inheriting bucket thus
+        measures slowly: at c=8 on long prompts most steps carry prefill chunks, and
+        re-measuring plain every 8 of the few decode-only steps cost the chain 10% there.)"""
+        arms, incumbent = state.arms, state.arms[state.incumbent]
+        others = [i for i in range(len(arms)) if i != state.incumbent] or [state.incumbent]
+        line = (1 + self.config.margin) * incumbent.speedup
+        upper = {i: self._upper(arms[i], incumbent) for i in others}
+        open_arms = [i for i in others if upper[i] > line]
+        if open_arms:
+            state.explore_interval = self.config.explore_every
+            state.next_explore = state.steps + state.explore_interval
+            return max(open_arms, key=upper.get)
+        index = min(others, key=lambda i: arms[i].last_pull)
         state.next_explore = state.steps + state.explore_interval
         state.explore_interval = min(2 * state.explore_interval, self.config.max_explore_every)
         return index
