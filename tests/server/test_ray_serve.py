@@ -195,9 +195,10 @@ def test_session_affinity_seen_in_replica_metrics(ray_url):
 def test_killed_replica_restarts_and_the_other_finishes(ray_url):
     """SIGKILL one replica mid-stream: its stream ends with replica_died, the other's completes,
     and Ray Serve brings the killed one back (a new pid, routed to again)."""
-    # Plain decoding of 3000 tokens: seconds even on a fast machine, so the victim's stream is
-    # still running when it is killed (counting with the chain once finished 800 tokens first).
-    body = {"prompt": "Count from one to a thousand: one, two,", "max_tokens": 3000,
+    # Plain decoding of 1500 tokens: 10+ seconds for a one-thread replica even on a fast
+    # machine, so the victim's stream is still running when it is killed 0.5 s after both
+    # started (counting with the chain once finished 800 tokens first).
+    body = {"prompt": "Count from one to a thousand: one, two,", "max_tokens": 1500,
             "temperature": 0.0, "ignore_eos": True, "speculative": {"enabled": False}}
     pids = {n: r["pid"] for n, r in httpx.get(ray_url + "/health").json()["replicas"].items()}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
