@@ -91,9 +91,9 @@ class ArmStats:
 
     def speedup_var(self, prior_rel_sd: float) -> float:
         """Variance of `speedup`: a ratio of sums, so (delta method) the weighted mean square of
-        the steps' residuals plain_s - speedup * s, times sum(w^2) / seconds^2. One pseudo-step
-        of `prior_rel_sd` relative noise is added: one or two steps that happen to agree are not
-        certainty."""
+        the steps' residuals plain_s - speedup * s, times sum(w^2) / seconds^2. `PRIOR_STEPS`
+        pseudo-steps of `prior_rel_sd` relative noise are added: one or two steps that happen to
+        agree are not certainty."""
         if self.pulls == 0 or self.seconds <= 0:
             return math.inf
         r = self.speedup
@@ -150,7 +150,8 @@ class TunerConfig:
     - margin: how much more goodput than plain decoding a draft limit needs to be chosen.
     - confidence: how many standard errors of the measured difference an arm must also lead
       by to displace the incumbent (the choice is re-checked every step, hence well above 2).
-    - prior_rel_sd: the per-step noise assumed before any spread is measured (one pseudo-step)."""
+    - prior_rel_sd: the per-step noise assumed before any spread is measured (`PRIOR_STEPS`
+      pseudo-steps of it)."""
 
     grid: tuple[int, ...] = DEFAULT_GRID
     min_pulls: int = 4
@@ -298,9 +299,9 @@ class SpecTuner:
         (its upper bound reaches the switching line: too few steps to tell), the most promising
         such arm, every `explore_every` steps; once none can, the arm measured longest ago,
         twice as late each time (up to the longest interval), so a settled choice costs under
-        1% in probes and still follows a workload that changes. (An inheriting bucket thus
-        measures slowly: at c=8 on long prompts most steps carry prefill chunks, and
-        re-measuring plain every 8 of the few decode-only steps cost the chain 10% there.)"""
+        1% in probes and still follows a workload that changes. (An inheriting bucket skips the
+        measuring phase; its unmeasured arms count as open, so they are re-measured here, one
+        step every `explore_every`, until they settle.)"""
         arms, incumbent = state.arms, state.arms[state.incumbent]
         others = [i for i in range(len(arms)) if i != state.incumbent] or [state.incumbent]
         line = (1 + self.config.margin) * incumbent.speedup
