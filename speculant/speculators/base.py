@@ -210,7 +210,9 @@ class Speculator(ABC):
     `sunk_draft_seconds`: a model drafter may report how much of its last `draft` call went
     to work it does whether or not it drafts (a feature drafter computing the head entries of
     committed tokens, which `process` computes anyway once they pile up); the chain prices
-    asking it by the rest.
+    asking it by the rest. `catch_up_seconds`: how much of it went to reading history the
+    drafter had not seen (a restarted window, tokens committed while it was not asked): paid
+    once on resuming, not per drafted position, so the chain prices positions without it.
     """
 
     name: ClassVar[str] = ""
@@ -218,6 +220,7 @@ class Speculator(ABC):
     provides_probs: ClassVar[bool] = False
     is_model_based: ClassVar[bool] = False
     sunk_draft_seconds: float = 0.0
+    catch_up_seconds: float = 0.0
 
     @abstractmethod
     def begin(self, seq_id: int, prompt_ids: list[int]) -> None:

@@ -7,8 +7,10 @@ worth verifying, and keeps the best. The winner is told `accept(n)`, the other p
 estimates, so the chain backs off to shorter drafts or none. A proposal that is not verified
 is still scored (below), so no draft is verified just to keep an estimate honest; a model
 drafter the chain stopped asking is asked for a one-token shadow draft after `probe_interval`
-silent rounds, then twice as late each time until one of its drafts is verified again.
-`probe_interval` 0 switches back-off off: every proposal is verified (one token at least).
+silent rounds, then twice as late each time until one of its drafts is verified again, and
+all of a drafter's shadow drafts together take at most `PROBE_TIME_SHARE` of the rounds' plain
+decoding time. `probe_interval` 0 switches back-off off: every proposal is verified (one token
+at least).
 
 Acceptance is bursty: a copy from the prompt runs for dozens of tokens, then nothing matches.
 So the estimates are kept per *context*, what the speculator's previous proposal for the same
@@ -66,6 +68,11 @@ MAX_PROBE_INTERVAL = 512  # silent rounds between shadow drafts of a model draft
 # sequence's 148 silent tokens 3 steps (translation, F32 weights); 64 tokens of context still
 # carry the local text it drafts.
 PROBE_CONTEXT_TOKENS = 64
+# Shadow drafts of one model drafter take at most this share of the plain decoding time of the
+# rounds the chain drafted for. Per-sequence doubling alone left the 4-layer draft, priced out at
+# c=8 on mt_bench, spending 0.77 s of a 12.7 s run (6%) on 82 shadow drafts of 16 sequences:
+# each new sequence starts at `probe_interval` again, and each re-reads its window (6-17 ms).
+PROBE_TIME_SHARE = 0.01
 
 
 def _context_counters() -> list[AcceptanceCounters]:
@@ -99,19 +106,23 @@ class _SeqState:
 
 
 class SpeculatorChain:
-    def __init__(self, speculators: list[Speculator], probe_interval: int = 16):
+    def __init__(self, speculators: list[Speculator], probe_interval: int = 16,
+                 clock=time.perf_counter):
         names = [s.name for s in speculators]
         if len(set(names)) != len(names):
             raise ValueError(f"speculator listed twice in the chain: {names}")
         self.speculators = {s.name: s for s in speculators}
         self.stats = {name: SpeculatorStats() for name in names}
         self.probe_interval = probe_interval
+        self._clock = clock  # seconds; a test drives its own
         self._seqs: dict[int, _SeqState] = {}
         self._draft_seconds = {name: 0.0 for name in names}  # per drafted position, model drafters
         # per speculator, per context: every sequence's verified and counterfactual drafts
         self._evidence = {name: _context_counters() for name in names}
         # per model drafter: acceptance by the probability it gave its tokens (calibration.py)
         self._calibration = {s.name: ProbCalibration() for s in speculators if s.is_model_based}
+        self._round_seconds = 0.0  # plain decoding time of the rounds drafted for (estimated)
+        self._probe_seconds = {name: 0.0 for name in self._calibration}  # in shadow drafts
 
     @property
     def names(self) -> list[str]:
@@ -170,6 +181,7 @@ class SpeculatorChain:
         `seconds_per_token`: what one token costs in plain decoding, to price model drafters.
         """
         proposals: dict[int, list[Draft]] = {r.seq_id: [] for r in requests}
+        self._round_seconds += seconds_per_token * len(requests)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
@@ -181,13 +193,13 @@ class SpeculatorChain:
                                                  rival)
             if not mine:
                 continue
-            t0 = time.perf_counter()
-            spec.sunk_draft_seconds = 0.0
+            t0 = self._clock()
+            spec.sunk_draft_seconds = spec.catch_up_seconds = 0.0
             with self._timed(name, "draft"):
                 drafts = spec.draft(mine)
             if spec.is_model_based:
-                spent = time.perf_counter() - t0 - spec.sunk_draft_seconds
-                self._observe_draft_time(name, max(0.0, spent), sum(len(d) for d in drafts.values()))
+                spent = max(0.0, self._clock() - t0 - spec.sunk_draft_seconds)
+                self._observe_draft_time(name, spent, spec.catch_up_seconds, mine, drafts)
             for r in mine:  # asked and silent: its next draft starts a new run
                 if len(drafts.get(r.seq_id) or ()) == 0:
                     self._seqs[r.seq_id].context[name] = NO_PROPOSAL
@@ -247,7 +259,8 @@ class SpeculatorChain:
                     n = 0
             every = state.probe_every.get(name, self.probe_interval)
             window = PROBE_CONTEXT_TOKENS if value is None else 0  # a first ask: not priced yet
-            if n == 0 and state.silent_steps >= every and rival[r.seq_id] <= 0:
+            if n == 0 and state.silent_steps >= every and rival[r.seq_id] <= 0 \
+                    and self._may_probe(name, seconds_per_token):
                 n, window = 1, PROBE_CONTEXT_TOKENS  # a shadow draft: the silence count
                 state.silent_steps = 0  # restarts, as after a verified one, and the next one
                 # comes twice as late (measured: one every 16 rounds cost eagle3 6% of a c=8
@@ -259,9 +272,26 @@ class SpeculatorChain:
                     p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window)))
         return out
 
-    def _observe_draft_time(self, name: str, seconds: float, num_positions: int) -> None:
+    def _may_probe(self, name: str, seconds_per_token: float) -> bool:
+        """Whether `name`'s shadow drafts are within their share of the decoding time (always
+        without back-off, or while a plain token's time is unknown). A round's due probes all
+        go: they share a call."""
+        return self.probe_interval == 0 or seconds_per_token <= 0 or \
+            self._probe_seconds[name] <= PROBE_TIME_SHARE * self._round_seconds
+
+    def _observe_draft_time(self, name: str, seconds: float, catch_up_seconds: float,
+                            requests: list[DraftRequest], drafts: dict[int, Draft]) -> None:
+        """Book a draft call: its time per drafted position, catch-up left out, prices asking
+        the drafter (an EMA); the share of calls that re-read a history window (shadow drafts,
+        first asks before the drafter is priced) counts against the probe budget, catch-up
+        included. (Priced with its catch-up, a one-token probe of the 4-layer draft cost 6-17
+        ms, ~10x a drafted position at c=8, and kept the drafter priced out for good.)"""
+        windowed = sum(r.params.context_tokens > 0 for r in requests)
+        if windowed:
+            self._probe_seconds[name] += seconds * windowed / len(requests)
+        num_positions = sum(len(d) for d in drafts.values())
         if num_positions > 0:  # EMA of seconds per drafted (sequence, position)
-            per = seconds / num_positions
+            per = max(0.0, seconds - catch_up_seconds) / num_positions
             self._draft_seconds[name] = 0.8 * self._draft_seconds[name] + 0.2 * per \
                 if self._draft_seconds[name] else per
 

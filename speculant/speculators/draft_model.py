@@ -17,6 +17,7 @@ so rejection sampling can use it.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -154,10 +155,15 @@ class DraftModelSpeculator(Speculator):
         grown = {seq_id: DraftBuilder() for seq_id in by_id}
         # 1) catch up with the target's committed tokens + the last token; 2..n) one token each.
         chunks = [self._catch_up_chunk(r) for r in by_id.values()]
+        first = True
         while chunks:
+            t0 = time.perf_counter()
             rows = self._forward(chunks)
             if rows is None:
                 break
+            if first:  # rows beyond the one that yields each first position: catching up
+                self.catch_up_seconds = (time.perf_counter() - t0) * _catch_up_share(chunks)
+                first = False
             next_chunks = []
             for chunk, logits in zip(chunks, rows):
                 if logits is None:
@@ -235,6 +241,13 @@ class DraftModelSpeculator(Speculator):
 
     def _token(self, col: int) -> int:
         return col if self.head_ids is None else int(self.head_ids[col])
+
+
+def _catch_up_share(chunks: list[SeqChunk]) -> float:
+    """Share of a draft forward's rows that only read history (all but one row of each
+    sequence, or all of a long catch-up that yields no logits yet)."""
+    rows = sum(len(c.token_ids) for c in chunks)
+    return sum(len(c.token_ids) - c.num_logits for c in chunks) / rows if rows else 0.0
 
 
 def trained_head_tokens(path: str) -> int:

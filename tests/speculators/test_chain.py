@@ -359,3 +359,93 @@ def test_probe_interval_zero_verifies_every_proposal():
         d = chain.draft([request()], cost_per_token=0.5).get(0)
         assert d is not None and len(d) >= 1
         chain.accept(0, 0)
+
+
+def test_catch_up_is_not_priced_as_drafting():
+    """A drafter re-reading history it had not seen (a restarted window, a long silence)
+    reports that time as `catch_up_seconds`: paid once on resuming, so positions are priced
+    without it."""
+
+    class CatchingUp(SlowModelDrafter):
+        def draft(self, requests):
+            import time
+
+            time.sleep(0.05)  # reading a 64-token window
+            self.catch_up_seconds = 0.05
+            return super().draft(requests)
+
+    spec = CatchingUp("model", [5, 6], seconds_per_position=0.0)
+    chain = SpeculatorChain([spec])
+    chain.begin(0, [1, 2], ("model",))
+    chain.draft([request()], cost_per_token=0.1, seconds_per_token=0.01)
+    assert chain._draft_seconds["model"] < 0.01  # per drafted position: not 0.05 s / 2
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Hopeless(Fixed):
+    """A model drafter always wrong, each sequence it is asked for costing `seconds_per_ask`
+    of the clock (re-reading its window dominates a one-token probe)."""
+
+    is_model_based = True
+
+    def __init__(self, name, clock, seconds_per_ask):
+        super().__init__(name, [])
+        self.clock, self.seconds_per_ask, self.asked = clock, seconds_per_ask, 0
+
+    def draft(self, requests):
+        self.clock.now += self.seconds_per_ask * len(requests)
+        self.asked += len(requests)
+        return {r.seq_id: Draft([7] * r.params.n_max, token_probs=[0.05] * r.params.n_max)
+                for r in requests}
+
+
+def run_sequences(chain, num_seqs, num_rounds, seconds_per_token, text):
+    """`num_seqs` sequences decoding `text` one token a round (nothing is verified, the
+    drafter is never right); a sequence ends after 100-280 tokens and a new one begins."""
+    from speculant.speculators.base import CommittedTokens
+
+    pos, next_id = {}, 0
+    for _ in range(num_rounds):
+        while len(pos) < num_seqs:
+            chain.begin(next_id, text[:10], ("model",))
+            pos[next_id], next_id = 10, next_id + 1
+        reqs = [DraftRequest(s, text[:p], DraftParams(n_max=4)) for s, p in pos.items()]
+        winners = chain.draft(reqs, cost_per_token=0.6, seconds_per_token=seconds_per_token)
+        for s in winners:
+            chain.accept(s, 0)
+        chain.process([CommittedTokens(s, p - 1, text[p - 1:p], text[p]) for s, p in pos.items()])
+        for s in list(pos):
+            pos[s] += 1
+            if pos[s] >= 110 + (37 * s) % 180:
+                chain.end(s)
+                del pos[s]
+    return next_id
+
+
+def test_shadow_probes_stay_within_their_share_of_decoding_time():
+    """At c=8 a priced-out drafter's shadow drafts, each re-reading a window (6-17 ms of the
+    4-layer draft against 2.6 ms of step time per token), take at most PROBE_TIME_SHARE
+    of the decoding time, though every new sequence starts probing at `probe_interval` again;
+    they still come (the drafter would be seen to improve)."""
+    from speculant.speculators.chain import PROBE_TIME_SHARE
+
+    text = list(range(100, 400))
+    spent = {}
+    for seconds_per_token in (0.0, 0.0026):  # 0: a plain token's time unknown, no budget
+        clock = FakeClock()
+        model = Hopeless("model", clock, seconds_per_ask=0.012)
+        chain = SpeculatorChain([model], clock=clock)
+        num_rounds = 1000
+        num_seqs = run_sequences(chain, 8, num_rounds, seconds_per_token, text)
+        spent[seconds_per_token] = clock.now
+        assert num_seqs > 30 and chain.stats["model"].num_drafts == 0
+    decoding_s = 1000 * 8 * 0.0026
+    assert 0 < spent[0.0026] <= PROBE_TIME_SHARE * decoding_s + 8 * 0.012  # + one round's
+    assert spent[0.0] > 3 * spent[0.0026]  # per-sequence doubling alone: several times more

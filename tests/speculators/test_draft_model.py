@@ -56,6 +56,7 @@ def test_parallel_drafting_one_forward_per_draft_position(self_draft_engine):
         assert sorted(len(d) for d in drafts.values()) == [6, 6, 6, 6]
         # One forward catches all four up and yields position 1; five more, one per position.
         assert spec.num_draft_forwards - before == 6
+        assert spec.catch_up_seconds > 0  # the prompts' rows of that first forward
         # Next round after the target accepted 2 tokens of each: rollback, catch-up, draft again.
         before = spec.num_draft_forwards
         grown = [h + drafts[100 + i].token_ids[:3] for i, h in enumerate(histories)]
@@ -65,6 +66,15 @@ def test_parallel_drafting_one_forward_per_draft_position(self_draft_engine):
     finally:
         for i in range(len(histories)):
             spec.end(100 + i)
+
+
+def test_catch_up_share_counts_rows_that_yield_no_draft_position():
+    from speculant.engine.forward_batch import SeqChunk
+    from speculant.speculators.draft_model import _catch_up_share
+
+    assert _catch_up_share([SeqChunk(0, 0, [1], 1), SeqChunk(1, 5, [2], 1)]) == 0.0  # drafting
+    assert _catch_up_share([SeqChunk(0, 0, [1] * 30, 1), SeqChunk(1, 5, [2, 3], 1)]) == 30 / 32
+    assert _catch_up_share([SeqChunk(0, 0, [1] * 10, 0)]) == 1.0  # a long catch-up, no logits
 
 
 def test_long_catch_up_restarts_the_draft_context_on_its_last_tokens(self_draft_engine):
