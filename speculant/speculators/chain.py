@@ -8,8 +8,8 @@ estimates, so the chain backs off to shorter drafts or none. A proposal that is 
 is still scored (below), so no draft is verified just to keep an estimate honest; a model
 drafter the chain stopped asking is asked for a one-token shadow draft after `probe_interval`
 silent rounds, then twice as late each time until one of its drafts is verified again, and
-all of a drafter's shadow drafts together take at most `PROBE_TIME_SHARE` of the rounds' plain
-decoding time. `probe_interval` 0 switches back-off off: every proposal is verified (one token
+all of a drafter's shadow drafts together take at most `PROBE_TIME_SHARE` of the time between
+the chain's rounds. `probe_interval` 0 switches back-off off: every proposal is verified (one token
 at least).
 
 Acceptance is bursty: a copy from the prompt runs for dozens of tokens, then nothing matches.
@@ -68,11 +68,12 @@ MAX_PROBE_INTERVAL = 512  # silent rounds between shadow drafts of a model draft
 # sequence's 148 silent tokens 3 steps (translation, F32 weights); 64 tokens of context still
 # carry the local text it drafts.
 PROBE_CONTEXT_TOKENS = 64
-# Shadow drafts of one model drafter take at most this share of the plain decoding time of the
-# rounds the chain drafted for. Per-sequence doubling alone left the 4-layer draft, priced out at
+# Shadow drafts of one model drafter take at most this share of the time between the chain's
+# draft rounds (each gap counted up to MAX_ROUND_GAP_S, so an idle server earns no probes). Per-sequence doubling alone left the 4-layer draft, priced out at
 # c=8 on mt_bench, spending 0.77 s of a 12.7 s run (6%) on 82 shadow drafts of 16 sequences:
 # each new sequence starts at `probe_interval` again, and each re-reads its window (6-17 ms).
 PROBE_TIME_SHARE = 0.01
+MAX_ROUND_GAP_S = 1.0
 
 
 def _context_counters() -> list[AcceptanceCounters]:
@@ -121,7 +122,10 @@ class SpeculatorChain:
         self._evidence = {name: _context_counters() for name in names}
         # per model drafter: acceptance by the probability it gave its tokens (calibration.py)
         self._calibration = {s.name: ProbCalibration() for s in speculators if s.is_model_based}
-        self._round_seconds = 0.0  # plain decoding time of the rounds drafted for (estimated)
+        # Wall time of the engine's steps, measured between draft rounds (the step-cost model's
+        # plain estimate read 10x short on code_edit's 2,000-token contexts at c=8)
+        self._round_seconds = 0.0
+        self._last_round: float | None = None
         self._probe_seconds = {name: 0.0 for name in self._calibration}  # in shadow drafts
 
     @property
@@ -181,7 +185,10 @@ class SpeculatorChain:
         `seconds_per_token`: what one token costs in plain decoding, to price model drafters.
         """
         proposals: dict[int, list[Draft]] = {r.seq_id: [] for r in requests}
-        self._round_seconds += seconds_per_token * len(requests)
+        now = self._clock()
+        if self._last_round is not None:
+            self._round_seconds += min(now - self._last_round, MAX_ROUND_GAP_S)
+        self._last_round = now
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
@@ -273,9 +280,9 @@ class SpeculatorChain:
         return out
 
     def _may_probe(self, name: str, seconds_per_token: float) -> bool:
-        """Whether `name`'s shadow drafts are within their share of the decoding time (always
-        without back-off, or while a plain token's time is unknown). A round's due probes all
-        go: they share a call."""
+        """Whether `name`'s shadow drafts are within their share of the time between rounds
+        (always without back-off, or while a plain token's time is unknown: the drafter cannot
+        be priced then). A round's due probes all go: they share a call."""
         return self.probe_interval == 0 or seconds_per_token <= 0 or \
             self._probe_seconds[name] <= PROBE_TIME_SHARE * self._round_seconds
 

@@ -406,13 +406,15 @@ class Hopeless(Fixed):
                 for r in requests}
 
 
-def run_sequences(chain, num_seqs, num_rounds, seconds_per_token, text):
-    """`num_seqs` sequences decoding `text` one token a round (nothing is verified, the
-    drafter is never right); a sequence ends after 100-280 tokens and a new one begins."""
+def run_sequences(chain, num_seqs, num_rounds, seconds_per_token, text, clock):
+    """`num_seqs` sequences decoding `text` one token a round, each step taking
+    `seconds_per_token` per sequence of the clock (nothing is verified, the drafter is never
+    right); a sequence ends after 100-280 tokens and a new one begins."""
     from speculant.speculators.base import CommittedTokens
 
     pos, next_id = {}, 0
     for _ in range(num_rounds):
+        clock.now += seconds_per_token * num_seqs  # the target's step
         while len(pos) < num_seqs:
             chain.begin(next_id, text[:10], ("model",))
             pos[next_id], next_id = 10, next_id + 1
@@ -432,7 +434,7 @@ def run_sequences(chain, num_seqs, num_rounds, seconds_per_token, text):
 def test_shadow_probes_stay_within_their_share_of_decoding_time():
     """At c=8 a priced-out drafter's shadow drafts, each re-reading a window (6-17 ms of the
     4-layer draft against 2.6 ms of step time per token), take at most PROBE_TIME_SHARE
-    of the decoding time, though every new sequence starts probing at `probe_interval` again;
+    of the time between rounds, though every new sequence starts probing at `probe_interval` again;
     they still come (the drafter would be seen to improve)."""
     from speculant.speculators.chain import PROBE_TIME_SHARE
 
@@ -443,9 +445,9 @@ def test_shadow_probes_stay_within_their_share_of_decoding_time():
         model = Hopeless("model", clock, seconds_per_ask=0.012)
         chain = SpeculatorChain([model], clock=clock)
         num_rounds = 1000
-        num_seqs = run_sequences(chain, 8, num_rounds, seconds_per_token, text)
-        spent[seconds_per_token] = clock.now
+        num_seqs = run_sequences(chain, 8, num_rounds, seconds_per_token, text, clock)
+        spent[seconds_per_token] = clock.now - num_rounds * 8 * seconds_per_token
         assert num_seqs > 30 and chain.stats["model"].num_drafts == 0
-    decoding_s = 1000 * 8 * 0.0026
+    decoding_s = 1000 * 8 * 0.0026 + spent[0.0026]  # steps and probes: the time between rounds
     assert 0 < spent[0.0026] <= PROBE_TIME_SHARE * decoding_s + 8 * 0.012  # + one round's
     assert spent[0.0] > 3 * spent[0.0026]  # per-sequence doubling alone: several times more
