@@ -69,9 +69,10 @@ MAX_PROBE_INTERVAL = 512  # silent rounds between shadow drafts of a model draft
 # carry the local text it drafts.
 PROBE_CONTEXT_TOKENS = 64
 # Shadow drafts of one model drafter take at most this share of the time between the chain's
-# draft rounds (each gap counted up to MAX_ROUND_GAP_S, so an idle server earns no probes). Per-sequence doubling alone left the 4-layer draft, priced out at
-# c=8 on mt_bench, spending 0.77 s of a 12.7 s run (6%) on 82 shadow drafts of 16 sequences:
-# each new sequence starts at `probe_interval` again, and each re-reads its window (6-17 ms).
+# draft rounds (each gap counted up to MAX_ROUND_GAP_S, so an idle server earns no probes).
+# Per-sequence doubling alone left the 4-layer draft, priced out at c=8 on mt_bench, spending
+# 0.77 s of a 12.7 s run (6%) on 82 shadow drafts of 16 sequences: each new sequence starts at
+# `probe_interval` again, and each re-reads its window (6-17 ms).
 PROBE_TIME_SHARE = 0.01
 MAX_ROUND_GAP_S = 1.0
 
