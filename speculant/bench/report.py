@@ -49,6 +49,7 @@ Result: one method on one category at one concurrency
   tuner                 with --spec-tune (null otherwise, and for plain): per concurrency bucket
                         the draft limit the tuner settled on (`n_max`, 0 = plain decoding), its
                         decode steps, how often it switched speculation off, goodput per limit
+                        and its speedup over plain decoding measured at the same moments
 
 Category
   num_prompts

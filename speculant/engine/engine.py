@@ -201,13 +201,9 @@ class Engine:
 
     def _tuner_choice(self, step) -> int | None:
         """The tuner's draft limit: a decode-only step is one pull of its bandit; steps with
-        prompt chunks use its best limit (their time says little about drafting). Until the
-        step-cost model has fitted this engine's steps the engine's own limit runs unscored:
-        the tuner scores steps against the model's plain-step estimate, and the prior's (8 ms)
-        was half of a real 8-sequence step, which made the first drafting steps look 40%
-        slower than plain and switched drafting off on translation at c=8 (1.69x -> 1.12x)."""
+        prompt chunks use its best limit (their time says little about drafting)."""
         self._tuner_pulled = False
-        if self.tuner is None or not step.decode or not self.cost.fitted:
+        if self.tuner is None or not step.decode:
             return None
         if step.prefill:
             return self.tuner.best(len(step.decode))
@@ -368,6 +364,7 @@ class Engine:
         return SeqChunk(seq.seq_id, seq.num_computed, tokens, len(tokens))
 
     def _propose(self, decoding: list[Sequence]) -> dict[int, Draft]:
+        self.chain.round_catch_up_seconds = 0.0
         requests = []
         for seq in decoding:
             if not seq.spec_types:
@@ -552,19 +549,14 @@ class Engine:
             s.decode_tokens += num_new
             self.cost.observe(num_tokens, t3 - t1)
             if self._tuner_pulled:
-                num_seqs = len(step.decode)
-                self.tuner.observe(num_seqs, num_new, self._tuner_seconds(num_tokens, t3 - t0),
-                                   self._tuner_plain_token_s(num_seqs))
+                self.tuner.observe(len(step.decode), num_new,
+                                   self._tuner_seconds(num_tokens, t3 - t0),
+                                   catch_up_seconds=self.chain.round_catch_up_seconds)
 
     def _tuner_seconds(self, num_tokens: int, measured_s: float) -> float:
         """What the tuner scores a decode step by: its measured time (drafting, forward and
         verification). Tests substitute a cost model to make convergence deterministic."""
         return measured_s
-
-    def _tuner_plain_token_s(self, num_seqs: int) -> float:
-        """What a token of this step would have cost in plain decoding (the step-cost model,
-        fitted on this engine's recent steps, so it follows the context's growth)."""
-        return self.cost.seconds_per_token(num_seqs)
 
     # ---- outputs -----------------------------------------------------------------------------
 

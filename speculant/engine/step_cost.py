@@ -44,11 +44,6 @@ class StepCostModel:
         if b > 0 and a > 0:
             self.per_token_s, self.fixed_s = b, a
 
-    @property
-    def fitted(self) -> bool:
-        """Whether the estimates come from this engine's own steps (not the prior)."""
-        return self._count >= self.min_observations
-
     def cost_per_token(self, num_seqs: int) -> float:
         s = max(1, num_seqs)
         return self.per_token_s * s / (self.fixed_s + self.per_token_s * s)

@@ -7,34 +7,39 @@ The tuner closes that loop on what the user sees. Per concurrency bucket it runs
 small grid of draft limits (`n_max`; 0 = no drafting at all, plain decoding; by default just 0
 and the engine's own limit, i.e. whether to draft at all): each decode step uses one arm, and the
 arm is scored by *goodput*, tokens committed per second of engine time (drafting, forward and
-verification included), relative to what plain decoding would have taken for those tokens at
-that step (the step-cost model's estimate, corrected by the measured plain steps; `ArmStats`),
-smoothed so the choice follows a workload that changes. Requests that
-set their own `n_max` are not tuned; `speculant tune` searches n_max and p_min offline.
+verification included).
+
+Arms are compared *in pairs, at the same moment*: a step of another arm (a probe) is scored
+against the incumbent's goodput over its last few steps (`LOCAL_SMOOTHING`), i.e. at the same
+context length, batch and machine state. Goodput falls as contexts grow and this machine's
+speed drifts by 5-10% within minutes, so arms measured at different times do not compare;
+an earlier version priced every step at the step-cost model's plain estimate instead, and that
+model's bias (a linear fit of forward time in rows, dominated by drafting steps) read drafting
+and plain equal on summarization at c=1 (0.914 vs 0.917) where drafting measured 0.92x plain,
+which kept a losing draft model on.
 
 Policy (the configured limit is the incumbent, as in ik_llama.cpp's speculative tuner, which
 keeps the parameters with the best measured tokens/s; measured on the dev prompts, per-step
 goodput is so bursty, a copy hit commits 10 tokens and the next step 1, that a plain argmax over
 six arms chased noise and lost 5-15% to the untuned chain):
-- the arms are first tried round-robin, `min_pulls` times each (interleaved, so the warm-up and
-  any drift of the machine hit them alike), the incumbent being the engine's own `n_max`;
-- then the incumbent is used, and another arm replaces it only when its goodput beats the
-  incumbent's by `margin` *and* by `confidence` standard errors of the measured difference
-  (`ArmStats.speedup_var`: drafting steps are bursty, four of them leave +-10%, and a plain
-  margin switched a 1.5x chain off on translation at c=8). Hysteresis works both ways: plain
-  decoding must clearly beat drafting to switch it off, drafting must clearly beat plain to
-  switch it back on. Now and then another arm is measured again: every `explore_every` steps
-  the most promising one while some arm might still beat the incumbent by the margin (too few
-  steps to tell), else the one measured longest ago, at intervals that double (up to
-  `max_explore_every`), so a settled choice costs under 1% in probes and a change in the
-  workload still moves the choice.
+- the arms are first measured `min_pulls` times each, every other step the incumbent (the
+  engine's own `n_max`) so the reference stays fresh;
+- then the incumbent is used, and another arm replaces it only when its goodput relative to the
+  incumbent's exceeds 1 + `margin` by `confidence` standard errors (`ArmStats.speedup_var`:
+  drafting steps are bursty, four of them leave +-10%, and a plain margin switched a 1.5x chain
+  off on translation at c=8). Hysteresis works both ways: plain decoding must clearly beat
+  drafting to switch it off, drafting must clearly beat plain to switch it back on. Now and then
+  another arm is measured again: every `explore_every` steps the most promising one while some
+  arm might still beat the incumbent by the margin (too few steps to tell), else the one
+  measured longest ago, at intervals that double (up to `max_explore_every`), so a settled
+  choice costs under 1% in probes and a change in the workload still moves the choice.
   Where speculation does not pay, plain decoding wins within a few dozen steps and the engine
   then drafts nothing; where it pays, the untuned limit is kept unless another is clearly better.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # By default the tuner decides whether to draft at all: plain decoding (0) against the engine's
 # own limit, which is always an arm. Finer grids (e.g. 0, 1, 2, 4, 8, 16) are a config away, but
@@ -42,81 +47,145 @@ from dataclasses import dataclass
 # goodput swings 1-17x with the text, and arms probed a step at a time never see the same text.
 DEFAULT_GRID = (0,)
 CONCURRENCY_BUCKETS = (1, 2, 4, 8, 16, 32)  # a bucket holds concurrencies up to its bound
-# Plain decoding this much ahead of the incumbent after a single step each is trusted at once: a
+# Plain decoding this much ahead of the incumbent (at any step) is trusted at once: a
 # draft model's first steps (catching up on 8 prompts at c=8) cost ~10 plain steps each, and
 # measuring it 4 times cost short benchmark runs up to 20%.
 DECISIVE_GAP = 1.5
 PRIOR_STEPS = 2.0  # pseudo-steps of the assumed per-step noise in an arm's variance
+# The incumbent's reference goodput forgets its older steps at this rate (about its last 8
+# steps): recent enough that a probe meets the same context and machine state, long enough
+# that one bursty drafting step does not set it.
+LOCAL_SMOOTHING = 0.125
+# When the incumbent's recent goodput falls this far below what it was when another arm was
+# compared with it, that comparison is stale (the text changed: a copy-heavy stretch ended, a
+# prompt with nothing to copy began): it counts `STALE_WEIGHT` as much, so the arm is measured
+# again soon (its uncertainty grows) and the choice follows the workload.
+STALE_DROP = 0.25
+BEHIND_SLOWDOWN = 4  # an undecided arm measured behind the incumbent is probed this much rarer
+STALE_WEIGHT = 0.25
+
+
+@dataclass(slots=True)
+class RecentRate:
+    """Goodput of an arm's last few steps (exponentially weighted tokens and seconds)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        keep = 1 - LOCAL_SMOOTHING
+        self.tokens = keep * self.tokens + tokens
+        self.seconds = keep * self.seconds + seconds
+
+    @property
+    def token_s(self) -> float | None:  # seconds per committed token, None before a token
+        return self.seconds / self.tokens if self.tokens > 0 else None
 
 
 @dataclass(slots=True)
 class ArmStats:
-    """Measured goodput of one draft limit: exponentially weighted sums of the tokens and the
-    seconds of the steps that used it (a ratio of sums: one slow step does not dominate), and of
-    what plain decoding would have taken for the same tokens at the same step (`plain_seconds`:
-    tokens x the step-cost model's plain seconds per token for that batch and context).
+    """Measured goodput of one draft limit, and (for an arm that is not the incumbent) how it
+    compares with the incumbent at the same moments: exponentially weighted sums of each probe's
+    seconds and of what the incumbent would have taken for the same tokens then (`ref_seconds`:
+    tokens x the incumbent's recent seconds per token). `speedup` = ref_seconds / seconds is a
+    ratio of sums, so one slow step does not dominate.
 
-    Arms are compared by `speedup` = plain_seconds / seconds, each step measured against plain
-    decoding at its own batch size and context: a step at context 2000 is slower than one at 200
-    whichever arm takes it, so raw goodput compared arms measured at different points of the
-    text (plain probed early in a prompt looked 10% faster than drafting later in it). The plain
-    arm's own speedup is the model's error (measured / predicted plain steps), so the comparison
-    stays honest where the model is biased.
-
-    `speedup_var` is how uncertain that ratio is: the weighted spread of the steps around it
-    (second moments kept beside the sums), divided by how many steps the weights amount to. A
-    drafting step's speedup is bursty (measured on the chain at c=8: 0.79-1.25 from the 10th to
-    the 90th percentile, a copy hit commits 10 tokens and the next step 1), so four steps each
-    leave +-10%, more than the 5% margin: comparisons that ignored it switched a 1.5x chain off."""
+    `speedup_var` is how uncertain that ratio is: the weighted spread of the probes around it
+    (second moments kept beside the sums), divided by how many probes the weights amount to. A
+    drafting step's goodput is bursty (measured on the chain at c=8: 0.79-1.25 of plain from the
+    10th to the 90th percentile, a copy hit commits 10 tokens and the next step 1), so four
+    steps each leave +-10%, more than the 5% margin: comparisons that ignored it switched a
+    1.5x chain off. The reference's own noise (a few bursty steps) is inside that spread."""
 
     n_max: int
     pulls: int = 0
     last_pull: int = -1  # the bucket's step count when it was last used
-    tokens: float = 0.0
+    tokens: float = 0.0  # goodput sums (reported, not compared)
     seconds: float = 0.0
-    plain_seconds: float = 0.0
-    weight: float = 0.0  # sum of the steps' weights (each step enters at 1, then decays)
-    weight_sq: float = 0.0  # sum of their squares (the effective number of steps is w^2 / w2)
-    plain_sq: float = 0.0  # weighted sums of plain_s^2, s^2 and plain_s * s per step
+    recent: RecentRate = field(default_factory=RecentRate)
+    # paired sums against the incumbent's recent goodput (empty for the incumbent itself)
+    probe_seconds: float = 0.0
+    ref_seconds: float = 0.0
+    last_ref_goodput: float = 0.0  # the incumbent's recent goodput at the last probe
+    weight: float = 0.0  # sum of the probes' weights (each enters at 1, then decays)
+    weight_sq: float = 0.0  # sum of their squares (the effective number of probes is w^2 / w2)
+    ref_sq: float = 0.0  # weighted sums of ref_s^2, s^2 and ref_s * s per probe
     seconds_sq: float = 0.0
     cross: float = 0.0
 
     @property
-    def goodput(self) -> float:  # tokens / s, as measured (reported, not compared)
+    def goodput(self) -> float:  # tokens / s, as measured
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
-    def speedup(self) -> float:  # over plain decoding at the same steps (what arms are compared by)
-        return self.plain_seconds / self.seconds if self.seconds > 0 else 0.0
+    def speedup(self) -> float:  # over the incumbent, at the same moments
+        return self.ref_seconds / self.probe_seconds if self.probe_seconds > 0 else 0.0
+
+    @property
+    def compared(self) -> bool:
+        return self.weight > 0
 
     def speedup_var(self, prior_rel_sd: float) -> float:
         """Variance of `speedup`: a ratio of sums, so (delta method) the weighted mean square of
-        the steps' residuals plain_s - speedup * s, times sum(w^2) / seconds^2. `PRIOR_STEPS`
-        pseudo-steps of `prior_rel_sd` relative noise are added: one or two steps that happen to
-        agree are not certainty."""
-        if self.pulls == 0 or self.seconds <= 0:
+        the probes' residuals ref_s - speedup * s, times sum(w^2) / seconds^2. `PRIOR_STEPS`
+        pseudo-probes of `prior_rel_sd` relative noise are added: one or two probes that happen
+        to agree are not certainty."""
+        if not self.compared or self.probe_seconds <= 0:
             return math.inf
         r = self.speedup
-        residual_sq = max(self.plain_sq - 2 * r * self.cross + r * r * self.seconds_sq, 0.0)
-        mean_seconds = self.seconds / self.weight
+        residual_sq = max(self.ref_sq - 2 * r * self.cross + r * r * self.seconds_sq, 0.0)
+        mean_seconds = self.probe_seconds / self.weight
         prior_sq = (prior_rel_sd * r * mean_seconds) ** 2
         residual_var = (residual_sq + PRIOR_STEPS * prior_sq) / (self.weight + PRIOR_STEPS)
-        return residual_var * self.weight_sq / (self.seconds * self.seconds)
+        return residual_var * self.weight_sq / (self.probe_seconds * self.probe_seconds)
 
-    def observe(self, tokens: int, seconds: float, plain_token_s: float, smoothing: float,
-                step: int) -> None:
+    def observe(self, tokens: float, seconds: float, smoothing: float, step: int) -> None:
         keep = 1 - smoothing
-        plain_s = tokens * plain_token_s
         self.tokens = keep * self.tokens + tokens
         self.seconds = keep * self.seconds + seconds
-        self.plain_seconds = keep * self.plain_seconds + plain_s
-        self.weight = keep * self.weight + 1.0
-        self.weight_sq = keep * keep * self.weight_sq + 1.0
-        self.plain_sq = keep * self.plain_sq + plain_s * plain_s
-        self.seconds_sq = keep * self.seconds_sq + seconds * seconds
-        self.cross = keep * self.cross + plain_s * seconds
+        self.recent.observe(tokens, seconds)
         self.pulls += 1
         self.last_pull = step
+
+    def compare(self, tokens: float, seconds: float, ref_s: float, smoothing: float) -> None:
+        """A probe that committed `tokens` in `seconds` where the incumbent would have taken
+        `ref_s` (at its recent goodput, tokens / ref_s)."""
+        keep = 1 - smoothing
+        self.probe_seconds = keep * self.probe_seconds + seconds
+        self.ref_seconds = keep * self.ref_seconds + ref_s
+        self.last_ref_goodput = tokens / ref_s if ref_s > 0 else 0.0
+        self.weight = keep * self.weight + 1.0
+        self.weight_sq = keep * keep * self.weight_sq + 1.0
+        self.ref_sq = keep * self.ref_sq + ref_s * ref_s
+        self.seconds_sq = keep * self.seconds_sq + seconds * seconds
+        self.cross = keep * self.cross + ref_s * seconds
+
+    def forget_comparison(self) -> None:
+        self.discount(0.0)
+
+    def discount(self, factor: float) -> None:
+        """Older probes count `factor` as much (0: forgotten)."""
+        self.probe_seconds *= factor
+        self.ref_seconds *= factor
+        self.weight *= factor
+        self.weight_sq *= factor * factor
+        self.ref_sq *= factor
+        self.seconds_sq *= factor
+        self.cross *= factor
+
+    def mirror_of(self, other: "ArmStats") -> None:
+        """This arm's comparison with `other`, from other's with this arm: the same probes,
+        the two sides swapped (the ratio inverts, its weights stay)."""
+        self.probe_seconds, self.ref_seconds = other.ref_seconds, other.probe_seconds
+        self.last_ref_goodput = other.last_ref_goodput * other.speedup  # the new incumbent's
+        self.weight, self.weight_sq = other.weight, other.weight_sq
+        self.ref_sq, self.seconds_sq, self.cross = other.seconds_sq, other.ref_sq, other.cross
+
+    def rescale_reference(self, factor: float) -> None:
+        """The reference became `factor` times as slow per token (a new incumbent)."""
+        self.ref_seconds *= factor
+        self.ref_sq *= factor * factor
+        self.cross *= factor
 
 
 @dataclass(slots=True)
@@ -124,7 +193,7 @@ class BucketState:
     arms: list[ArmStats]
     explore_interval: int
     incumbent: int  # index of the arm used between re-measurements
-    measuring: bool = True  # the first round-robin phase (skipped by a bucket that inherits)
+    measuring: bool = True  # the first phase (skipped by a bucket that inherits)
     steps: int = 0
     current: int = 0  # index of the arm in use this step
     next_explore: int = 0  # the step at which an arm is re-measured next
@@ -147,8 +216,8 @@ class TunerConfig:
     - explore_every, max_explore_every: the first and the longest interval between
       re-measurements of the limit measured longest ago.
     - smoothing: how fast an arm forgets old steps (weight decay per step it is used).
-    - margin: how much more goodput than plain decoding a draft limit needs to be chosen.
-    - confidence: how many standard errors of the measured difference an arm must also lead
+    - margin: how much more goodput than the incumbent another limit needs to replace it.
+    - confidence: how many standard errors of its measured ratio an arm must also lead
       by to displace the incumbent (the choice is re-checked every step, hence well above 2).
     - prior_rel_sd: the per-step noise assumed before any spread is measured (`PRIOR_STEPS`
       pseudo-steps of it)."""
@@ -189,14 +258,18 @@ class SpecTuner:
         """The draft limit for a step with `num_decoding` decoding sequences."""
         state = self._bucket(num_decoding)
         arms = state.arms
-        unmeasured = [i for i, a in enumerate(arms) if a.pulls < self.config.min_pulls]
+        unmeasured = [i for i, a in enumerate(arms)
+                      if i != state.incumbent and a.pulls < self.config.min_pulls]
         state.measuring = state.measuring and bool(unmeasured) and arms[state.incumbent].n_max != 0
         if state.measuring:
-            # round-robin over the arms short of min_pulls, plain and the incumbent first: where
-            # plain wins at once the other draft limits are not measured now (only re-measured,
-            # one step at a time), which saves a draft model dozens of costly drafting steps
-            first = {0, state.incumbent}
-            index = min(unmeasured, key=lambda i: (i not in first, arms[i].pulls, i))
+            # every other step the incumbent, so that each probe meets a fresh reference; plain
+            # first among the others: where it wins at once the other draft limits are not
+            # measured now (only re-measured, one step at a time), which saves a draft model
+            # dozens of costly drafting steps
+            if state.current != state.incumbent or arms[state.incumbent].pulls == 0:
+                index = state.incumbent
+            else:
+                index = min(unmeasured, key=lambda i: (arms[i].n_max != 0, arms[i].pulls, i))
         elif state.steps >= state.next_explore:
             index = self._explore(state)
         else:
@@ -205,16 +278,27 @@ class SpecTuner:
         return arms[index].n_max
 
     def observe(self, num_decoding: int, tokens: int, seconds: float,
-                plain_token_s: float) -> None:
-        """The step that used the last chosen limit committed `tokens` in `seconds`; plain
-        decoding would have taken `plain_token_s` per token for this batch (the step-cost
-        model's estimate at this step)."""
+                catch_up_seconds: float = 0.0) -> None:
+        """The step that used the last chosen limit committed `tokens` in `seconds`, of which
+        `catch_up_seconds` went to drafters reading tokens committed while they were not asked.
+        A probe is not charged for that: the arm, if chosen, would pay it once, not per step
+        (measured on summarization at c=1: a draft-model probe after 127 plain steps took 29 ms,
+        15 of them drafting, where the probes around it took 10-12 ms; one such outlier's
+        spread keeps the comparison open for dozens of probes)."""
         state = self._bucket(num_decoding)
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
-        arm.observe(tokens, seconds, plain_token_s, self.config.smoothing, state.steps)
+        if arm is not incumbent:
+            seconds = max(seconds - catch_up_seconds, 0.1 * seconds)
+            ref_token_s = incumbent.recent.token_s
+            if ref_token_s is not None:
+                arm.compare(tokens, seconds, tokens * ref_token_s, self.config.smoothing)
+        arm.observe(tokens, seconds, self.config.smoothing, state.steps)
         state.steps += 1
-        if arm is not incumbent and not state.measuring:
-            self._after_probe(state, arm, incumbent)
+        if not state.measuring:
+            if arm is incumbent:
+                self._discount_stale(state)
+            else:
+                self._after_probe(state, arm)
         self._challenge(state)
 
     def best(self, num_decoding: int) -> int:
@@ -223,12 +307,13 @@ class SpecTuner:
         return state.arms[state.incumbent].n_max
 
     def summary(self) -> dict:
-        """Per concurrency bucket: the chosen limit, steps, switches to plain, goodput per arm."""
+        """Per concurrency bucket: the chosen limit, steps, switches to plain, goodput per arm
+        and each arm's speedup over plain decoding measured at the same moments."""
         return {str(bound): {
             "n_max": s.arms[s.incumbent].n_max, "steps": s.steps,
             "num_switches_off": s.num_switches_off,
             "goodput_tok_s": {str(a.n_max): round(a.goodput, 1) for a in s.arms if a.pulls},
-            "speedup": {str(a.n_max): round(a.speedup, 3) for a in s.arms if a.pulls},
+            "speedup": _speedups_over_plain(s),
         } for bound, s in sorted(self._buckets.items())}
 
     def _bucket(self, num_decoding: int) -> BucketState:
@@ -252,66 +337,110 @@ class SpecTuner:
         return state
 
     def _challenge(self, state: BucketState) -> None:
-        """The best-measured arm replaces the incumbent only when it beats it by the margin;
+        """The best-measured arm replaces the incumbent only when it leads it clearly (`_leads`);
         a change brings re-measurement back to its shortest interval."""
-        arms = state.arms
-        measured = [i for i, a in enumerate(arms) if a.pulls >= self.config.min_pulls]
-        plain, incumbent = arms[0], arms[state.incumbent]  # arm 0: the smallest limit
-        if plain.pulls and incumbent.pulls and plain.speedup > DECISIVE_GAP * incumbent.speedup:
-            measured = sorted(set(measured) | {0, state.incumbent})
-        if 0 not in measured or state.incumbent not in measured:
+        arms, min_pulls = state.arms, self.config.min_pulls
+        candidates = [i for i, a in enumerate(arms)
+                      if i != state.incumbent and a.compared and a.pulls >= min_pulls]
+        plain = arms[0]  # arm 0: the smallest limit
+        if state.incumbent != 0 and plain.compared and plain.speedup > DECISIVE_GAP:
+            self._switch(state, 0)
             return
-        best = max(measured, key=lambda i: arms[i].speedup)
-        if not self._leads(arms[best], arms[state.incumbent]):
+        if not candidates:
             return
-        if arms[best].n_max == 0:
+        best = max(candidates, key=lambda i: arms[i].speedup)
+        if self._leads(arms[best]):
+            self._switch(state, best)
+
+    def _switch(self, state: BucketState, index: int) -> None:
+        """`index` becomes the incumbent: the other arms' comparisons are re-expressed against
+        it (the old incumbent's is the mirror of the new one's)."""
+        arms, old = state.arms, state.arms[state.incumbent]
+        new = arms[index]
+        for i, arm in enumerate(arms):
+            if arm is not new and arm is not old:
+                arm.rescale_reference(1.0 / new.speedup)
+                arm.last_ref_goodput *= new.speedup
+        old.mirror_of(new)
+        new.forget_comparison()
+        state.incumbent = index
+        if new.n_max == 0:
             state.num_switches_off += 1
-        state.incumbent = best
         state.explore_interval = self.config.explore_every
         state.next_explore = state.steps + state.explore_interval
 
-    def _leads(self, arm: ArmStats, incumbent: ArmStats) -> bool:
+    def _leads(self, arm: ArmStats) -> bool:
         """Whether `arm` beats the incumbent by the margin and by `confidence` standard errors
-        of the difference (noise alone does not move the choice either way)."""
-        gap = arm.speedup - incumbent.speedup
-        return arm.speedup > (1 + self.config.margin) * incumbent.speedup and \
-            gap > self.config.confidence * self._diff_sd(arm, incumbent)
+        of its measured ratio (noise alone does not move the choice either way)."""
+        r = arm.speedup
+        return r > 1 + self.config.margin and r - 1 > self.config.confidence * self._sd(arm)
 
-    def _diff_sd(self, a: ArmStats, b: ArmStats) -> float:
-        prior = self.config.prior_rel_sd
-        return math.sqrt(a.speedup_var(prior) + b.speedup_var(prior))
+    def _sd(self, arm: ArmStats) -> float:
+        return math.sqrt(arm.speedup_var(self.config.prior_rel_sd))
 
-    def _after_probe(self, state: BucketState, arm: ArmStats, incumbent: ArmStats) -> None:
+    def _discount_stale(self, state: BucketState) -> None:
+        """Comparisons made when the incumbent was much faster than now count less, and those
+        arms are due for re-measurement (see `STALE_DROP`)."""
+        token_s = state.arms[state.incumbent].recent.token_s
+        if not token_s:
+            return
+        for i, arm in enumerate(state.arms):
+            if i != state.incumbent and arm.compared and \
+                    1.0 / token_s < (1 - STALE_DROP) * arm.last_ref_goodput:
+                arm.discount(STALE_WEIGHT)
+                arm.last_ref_goodput = 1.0 / token_s
+                state.explore_interval = self.config.explore_every
+                state.next_explore = min(state.next_explore, state.steps)
+
+    def _after_probe(self, state: BucketState, arm: ArmStats) -> None:
         """A re-measured arm far behind the incumbent is probed half as often again: a probe of
         a losing draft model is costly (it catches up on every sequence's tokens since its last
         draft), as the shipped draft on chat at c=8."""
-        if arm.speedup < (1 - 2 * self.config.margin) * incumbent.speedup:
+        if arm.compared and arm.speedup < 1 - 2 * self.config.margin:
             state.explore_interval = min(2 * state.explore_interval,
                                          self.config.max_explore_every)
 
-    def _upper(self, arm: ArmStats, incumbent: ArmStats) -> float:
-        """How fast `arm` might still be: its speedup plus `confidence` standard errors of its
-        difference from the incumbent."""
-        return arm.speedup + self.config.confidence * self._diff_sd(arm, incumbent)
+    def _upper(self, arm: ArmStats) -> float:
+        """How fast, relative to the incumbent, `arm` might still be: its measured ratio plus
+        `confidence` standard errors."""
+        return arm.speedup + self.config.confidence * self._sd(arm)
 
     def _explore(self, state: BucketState) -> int:
         """The arm to re-measure. While some arm might still beat the incumbent by the margin
-        (its upper bound reaches the switching line: too few steps to tell), the most promising
-        such arm, every `explore_every` steps; once none can, the arm measured longest ago,
-        twice as late each time (up to the longest interval), so a settled choice costs under
-        1% in probes and still follows a workload that changes. (An inheriting bucket skips the
+        (its upper bound reaches the switching line: too few probes to tell), the most
+        promising such arm, every `explore_every` steps (`BEHIND_SLOWDOWN` times that while
+        it measures behind the incumbent); once none can, the arm measured longest ago, twice
+        as late each time (up to the longest interval), so a settled choice costs under 1% in
+        probes and still follows a workload that changes. (An inheriting bucket skips the
         measuring phase; its unmeasured arms count as open, so they are re-measured here, one
         step every `explore_every`, until they settle.)"""
-        arms, incumbent = state.arms, state.arms[state.incumbent]
+        arms = state.arms
         others = [i for i in range(len(arms)) if i != state.incumbent] or [state.incumbent]
-        line = (1 + self.config.margin) * incumbent.speedup
-        upper = {i: self._upper(arms[i], incumbent) for i in others}
-        open_arms = [i for i in others if upper[i] > line]
+        upper = {i: self._upper(arms[i]) for i in others}
+        open_arms = [i for i in others if upper[i] > 1 + self.config.margin]
         if open_arms:
+            index = max(open_arms, key=upper.get)
+            arm = arms[index]
+            # an open arm measured behind the incumbent is probed 4x less often: where the
+            # chain pays 1.4x (translation at c=8) its bursty steps kept plain open for the
+            # whole run, and a plain step every 8 gives up ~1/8 x (1 - 1/1.4), ~4% of its speed
+            behind = arm.compared and arm.speedup < 1.0
             state.explore_interval = self.config.explore_every
-            state.next_explore = state.steps + state.explore_interval
-            return max(open_arms, key=upper.get)
+            state.next_explore = state.steps + state.explore_interval * (
+                BEHIND_SLOWDOWN if behind else 1)
+            return index
         index = min(others, key=lambda i: arms[i].last_pull)
         state.next_explore = state.steps + state.explore_interval
         state.explore_interval = min(2 * state.explore_interval, self.config.max_explore_every)
         return index
+
+
+def _speedups_over_plain(state: BucketState) -> dict[str, float]:
+    """Each measured arm's goodput over plain decoding's, both relative to the incumbent at the
+    same moments (the incumbent's own ratio is 1)."""
+    relative = {i: 1.0 if i == state.incumbent else a.speedup
+                for i, a in enumerate(state.arms) if i == state.incumbent or a.compared}
+    plain = relative.get(0)
+    if not plain:
+        return {}
+    return {str(state.arms[i].n_max): round(r / plain, 3) for i, r in relative.items()}

@@ -128,6 +128,9 @@ class SpeculatorChain:
         self._round_seconds = 0.0
         self._last_round: float | None = None
         self._probe_seconds = {name: 0.0 for name in self._calibration}  # in shadow drafts
+        # the last round's model drafters reading history they had missed (see
+        # `Speculator.catch_up_seconds`): the tuner does not charge it to a probe of drafting
+        self.round_catch_up_seconds = 0.0
 
     @property
     def names(self) -> list[str]:
@@ -186,6 +189,7 @@ class SpeculatorChain:
         `seconds_per_token`: what one token costs in plain decoding, to price model drafters.
         """
         proposals: dict[int, list[Draft]] = {r.seq_id: [] for r in requests}
+        self.round_catch_up_seconds = 0.0
         now = self._clock()
         if self._last_round is not None:
             self._round_seconds += min(now - self._last_round, MAX_ROUND_GAP_S)
@@ -208,6 +212,7 @@ class SpeculatorChain:
             if spec.is_model_based:
                 spent = max(0.0, self._clock() - t0 - spec.sunk_draft_seconds)
                 self._observe_draft_time(name, spent, spec.catch_up_seconds, mine, drafts)
+                self.round_catch_up_seconds += spec.catch_up_seconds
             for r in mine:  # asked and silent: its next draft starts a new run
                 if len(drafts.get(r.seq_id) or ()) == 0:
                     self._seqs[r.seq_id].context[name] = NO_PROPOSAL
