@@ -357,7 +357,7 @@ class SpecTuner:
         it (the old incumbent's is the mirror of the new one's)."""
         arms, old = state.arms, state.arms[state.incumbent]
         new = arms[index]
-        for i, arm in enumerate(arms):
+        for arm in arms:
             if arm is not new and arm is not old:
                 arm.rescale_reference(1.0 / new.speedup)
                 arm.last_ref_goodput *= new.speedup
