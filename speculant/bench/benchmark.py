@@ -6,11 +6,13 @@
     speculant bench --replay RECORDS.jsonl --spec-type "a,b;c"      (no model: bench/replay.py)
 
 Every method (plain, then each ';'-separated chain of --spec-type) runs every category at every
-concurrency in one engine (one model load). Speculator state is rebuilt before every run, so
-nothing learned on a previous run (global suffix trees, n-gram pools) inflates the next one.
-Repeats interleave the methods (plain, A, B, plain, A, B, ...) so that drift on a shared machine
-hits all of them alike; every run is watched for CPU interference (bench/timing.py) and can be
-re-run. Output: a markdown table and a summary on stdout, a chart and a JSON file in --out-dir
+concurrency on one loaded model. By default (--interleave) each method has its own engine on
+that model and the methods run side by side, in turns of --interleave-seconds (bench/interleave.py),
+so that drift on a shared machine hits all of them alike; with --no-interleave one engine runs
+them one after the other (plain, A, B, then B, A, plain on the next repeat). Speculator state is
+rebuilt before every run, so nothing learned on a previous run (global suffix trees, n-gram
+pools) inflates the next one. Every run is watched for CPU interference (bench/timing.py) and
+can be re-run. Output: a markdown table and a summary on stdout, a chart and a JSON file in --out-dir
 (named by date), and as the last stdout line the same JSON object (schema: bench/report.py).
 """
 from __future__ import annotations
@@ -75,11 +77,12 @@ def run_bench(args) -> int:
     peer_specs = parse_compare(args.compare)
     methods = parse_methods(args.spec_type, args.tune_compare)
     engine = _engine(args, levels, methods)
+    engines = _method_engines(engine, args, methods)
     groups = _prompt_groups(args, engine.tokenizer)
     threads = _threads()
     date, t0 = now_iso(), time.perf_counter()
-    _warm_up(engine, args, methods, groups)
-    results, plain_runs = _measure_all(engine, args, methods, groups, levels, threads)
+    _warm_up(engines, args, methods, groups)
+    results, plain_runs = _measure_all(engines, args, methods, groups, levels, threads)
     if args.record:
         _write_records(args.record, groups, plain_runs)
     peers = _compare(args, engine, groups, peer_specs, threads)
@@ -96,6 +99,14 @@ def _engine(args, levels: list[int], methods):
     options = engine_options(args, max_num_seqs=max(levels))
     options["spec_type"] = sorted({t for _, types in methods for t in types})
     return Engine(EngineConfig(model=args.model, **options))
+
+
+def _method_engines(engine, args, methods) -> dict:
+    """The engine of each method: one each on the same loaded model with --interleave (plain
+    keeps the first), the one engine for all of them otherwise."""
+    if not args.interleave:
+        return {name: engine for name, _ in methods}
+    return {name: engine if i == 0 else engine.sibling() for i, (name, _) in enumerate(methods)}
 
 
 def _threads() -> int:
@@ -135,19 +146,21 @@ def _params(args, types: list[str], max_tokens: int | None = None):
                           seed=0, ignore_eos=args.ignore_eos, spec=spec)
 
 
-def _warm_up(engine, args, methods, groups) -> None:
+def _warm_up(engines: dict, args, methods, groups) -> None:
     """One short untimed run per method on the shortest prompt: first-call costs go here."""
     if args.warmup_tokens == 0:
         return
     shortest = min((p.text for ps in groups.values() for p in ps), key=len)
-    engine.set_limits(max_num_seqs=1)
     for name, types in _progress(methods, "warm-up", "method"):
+        engine = engines[name]
+        engine.set_limits(max_num_seqs=1)
         engine.set_tuning(_tuned(args, name, types))
         engine.run_to_completion([shortest], _params(args, types, args.warmup_tokens))
-    engine.reset_stats()
+    for engine in {id(e): e for e in engines.values()}.values():
+        engine.reset_stats()
 
 
-def _measure_all(engine, args, methods, groups, levels, threads):
+def _measure_all(engines: dict, args, methods, groups, levels, threads):
     """Every category x concurrency x repeat x method; returns the results and plain's runs at
     the first level (for --record)."""
     results, plain_runs = [], {}
@@ -157,10 +170,18 @@ def _measure_all(engine, args, methods, groups, levels, threads):
         for level in levels:
             runs = {name: [] for name, _ in methods}
             for repeat in range(args.repeats):
+                if args.interleave:
+                    bar.set_postfix_str(f"{category} c={level} all methods")
+                    for name, run in _interleaved_run(engines, args, methods, prompts, level,
+                                                      threads, f"{category} c={level}").items():
+                        runs[name].append(run)
+                    bar.update(len(methods))
+                    continue
                 # odd repeats run the methods in reverse: a machine that drifts (turbo, other
                 # tenants) does not always favour the first method
                 for name, types in (methods if repeat % 2 == 0 else methods[::-1]):
                     bar.set_postfix_str(f"{category} c={level} {name}")
+                    engine = engines[name]
                     engine.set_tuning(_tuned(args, name, types))
                     runs[name].append(_timed_run(engine, args, types, prompts, level, threads,
                                                  f"{category} c={level} {name}"))
@@ -201,6 +222,33 @@ def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
         warn=_progress_write)
     return Run(wall, stats, seqs, usage, reruns, row_cost if types else None,
                tuner if types else None)
+
+
+def _interleaved_run(engines: dict, args, methods, prompts, level, threads, label) -> dict[str, Run]:
+    """All methods side by side on their own engines (bench/interleave.py); the interference
+    verdict covers them together, and a re-run re-runs them all."""
+    from speculant.bench.interleave import run_interleaved
+    from speculant.bench.timing import run_with_reruns
+
+    texts = [p.text for p in prompts]
+    order = [engines[name] for name, _ in methods]
+
+    def once():
+        for (name, types), engine in zip(methods, order):
+            engine.set_tuning(_tuned(args, name, types))
+            engine.set_limits(max_num_seqs=level)
+            engine.reset_stats()
+        done = run_interleaved(order, texts, [_params(args, types) for _, types in methods],
+                               args.interleave_seconds)
+        return [(d.wall_s, e.stats, d.seqs, e.cost.cost_per_token(level), e.status().tuner)
+                for d, e in zip(done, order)]
+
+    measured, usage, reruns = run_with_reruns(
+        once, threads, args.rerun_on_interference, label, args.interference_tolerance,
+        warn=_progress_write)
+    return {name: Run(wall, stats, seqs, usage, reruns, row_cost if types else None,
+                      tuner if types else None)
+            for (name, types), (wall, stats, seqs, row_cost, tuner) in zip(methods, measured)}
 
 
 def _result(name: str, category: str, level: int, runs: list[Run],
@@ -286,6 +334,7 @@ def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
     return {"date": date, "machine": machine_info(threads), "model": engine.model_path,
             "dtype": engine.config.dtype, "kv_dtype": engine.config.kv_dtype,
             "max_tokens": args.max_tokens, "concurrency": levels, "repeats": args.repeats,
+            "interleave_s": args.interleave_seconds if args.interleave else None,
             "peer_repeats": args.peer_repeats if args.compare else 0,
             "methods": [name for name, _ in methods]}
 

@@ -1,9 +1,11 @@
 """`speculant bench` flags and their parsing (methods, concurrency levels, peers)."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+from speculant.bench.interleave import DEFAULT_TURN_SECONDS
 from speculant.bench.report import PLAIN
 from speculant.engine.sampling_params import VERIFY_MODES
 
@@ -45,6 +47,12 @@ def add_bench_args(p) -> None:
     g.add_argument("--tune-compare", action="store_true",
                    help="run every speculative method twice, without and with the online tuner "
                         "(the tuned one named METHOD+tuned), interleaved in the same run")
+    g.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=True,
+                   help="one engine per method on the same loaded model, the methods run side "
+                        "by side in turns of --interleave-seconds so that machine drift hits them "
+                        "alike (default); --no-interleave runs them one after the other")
+    g.add_argument("--interleave-seconds", type=float, default=DEFAULT_TURN_SECONDS, metavar="S",
+                   help="length of one method's turn when interleaving (one step at least)")
     g.add_argument("--out-dir", default="bench_out", help="directory of the dated JSON and chart")
     g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
 
@@ -120,6 +128,8 @@ def check_args(args) -> None:
     if args.replay and (args.compare or args.record or args.tune_compare):
         raise ValueError("--replay runs no model: --compare, --record and --tune-compare do not "
                          "apply")
+    if args.interleave_seconds <= 0:
+        raise ValueError(f"--interleave-seconds must be > 0, got {args.interleave_seconds}")
     if args.replay_row_cost is not None:
         if not args.replay:
             raise ValueError("--replay-row-cost applies only with --replay")

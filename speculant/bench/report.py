@@ -14,7 +14,9 @@ Top level
   kv_dtype       KV cache element type (float16 or float32, --kv-dtype resolved)
   max_tokens     tokens generated per prompt (EOS stops earlier unless --ignore-eos)
   concurrency    [int], the levels measured
-  repeats        measurements per (category, method, concurrency); methods interleave per repeat
+  repeats        measurements per (category, method, concurrency)
+  interleave_s   the methods ran side by side in turns of this many seconds (--interleave),
+                 or null: one after the other, in reverse order on odd repeats
   peer_repeats   measurements per peer prompt (--peer-repeats, default --repeats)
   methods        ["plain", then each --spec-type chain, e.g. "ngram_mod,suffix"]
   results        [Result], one per category x method x concurrency (flat list)

@@ -11,6 +11,7 @@ One `step()`:
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -82,16 +83,24 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, *, model_from: Engine | None = None,
+                 **overrides):
+        """`model_from`: an engine whose loaded target (weights, tokenizer) this one shares,
+        with its own KV cache, scheduler, speculators and tuner (`Engine.sibling`)."""
         self.config = config = config or EngineConfig(**overrides)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype)
+        if model_from is None:
+            loaded = load_model(config.model, config.dtype)
+            self.model = (hybrid_model(loaded.config, loaded.weights, config.device)
+                          if loaded.config.is_hybrid
+                          else Model(loaded.config, loaded.weights, config.device))
+            self.tokenizer = load_tokenizer(loaded.files)
+        else:
+            _check_same_target(model_from.config, config)
+            loaded, self.model, self.tokenizer = model_from._loaded, model_from.model, model_from.tokenizer
+        self._loaded = loaded
         self.model_config = loaded.config
-        self.model = (hybrid_model(loaded.config, loaded.weights, config.device)
-                      if loaded.config.is_hybrid
-                      else Model(loaded.config, loaded.weights, config.device))
-        self.tokenizer = load_tokenizer(loaded.files)
         self.model_path = loaded.files.path
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
@@ -125,6 +134,12 @@ class Engine:
         # collections, set off by the many small objects each step allocates, walk that whole
         # heap: ~10% of a decode step at context 1000 (measured).
         gc.freeze()
+
+    def sibling(self, **overrides) -> Engine:
+        """A second engine on this one's loaded target (no second copy of the weights), with
+        its own KV cache, speculators, tuner and statistics: `overrides` change its config
+        (not the model, dtype or device). The bench runs one per method, interleaved in time."""
+        return Engine(dataclasses.replace(self.config, **overrides), model_from=self)
 
     def _check_cache_holds_context(self) -> None:
         """A sequence can never outgrow the whole KV cache: when the cache holds fewer tokens
@@ -566,6 +581,14 @@ class Engine:
         if seq.is_finished and seq.stop_text_len is None:
             seq.detokenizer.flush()
         return seq.detokenizer.text
+
+
+def _check_same_target(shared: EngineConfig, config: EngineConfig) -> None:
+    """An engine sharing another's weights must ask for the same weights."""
+    for field in ("model", "dtype", "device"):
+        if getattr(shared, field) != getattr(config, field):
+            raise ValueError(f"an engine sharing a loaded model cannot change its {field} "
+                             f"({getattr(shared, field)!r} -> {getattr(config, field)!r})")
 
 
 def _fast_greedy(params: SamplingParams) -> bool:

@@ -23,7 +23,7 @@ from speculant.cli.main import main
 
 TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "dtype", "kv_dtype", "max_tokens",
             "concurrency",
-            "repeats", "peer_repeats", "methods", "results", "categories", "by_method", "peers", "summary", "interference",
+            "repeats", "interleave_s", "peer_repeats", "methods", "results", "categories", "by_method", "peers", "summary", "interference",
             "files"}
 RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_tokens",
                "generated_tokens", "prefill_tok_s", "decode_tok_s", "decode_tok_s_best",
@@ -33,7 +33,7 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost", "tuner"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
-        "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "peer_repeats": 1,
+        "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "interleave_s": 0.1, "peer_repeats": 1,
         "methods": ["plain", "suffix"],
         "machine": {"cpu": "test cpu", "num_cpus": 2, "threads": 2, "platform": "x",
                     "python": "3", "torch": "2"}}
@@ -334,13 +334,14 @@ def test_cli_end_to_end(tmp_path, capsys):
     try:
         code = main(["bench", "--prompts", str(prompts), "--max-tokens", "8", "--concurrency", "1",
                      "--threads", "1", "--spec-type", "suffix", "--warmup-tokens", "2",
-                     "--record", str(records), "--out-dir", str(tmp_path / "out")])
+                     "--record", str(records), "--no-interleave", "--out-dir", str(tmp_path / "out")])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
     report = last_json(capsys)
     assert set(report) == TOP_KEYS and report["methods"] == ["plain", "suffix"]
     assert (report["dtype"], report["kv_dtype"]) == ("auto", "float16")
+    assert report["interleave_s"] is None  # --no-interleave: one engine, methods in turn
     assert all(set(r) == RESULT_KEYS for r in report["results"])
     assert report["categories"]["qa"]["methods"]["suffix"]["1"]["identical_to_plain"] == 1
     row_costs = {r["method"]: r["row_cost"] for r in report["results"]}
@@ -367,6 +368,7 @@ def test_cli_tune_compare_runs_tuned_twins(tmp_path, capsys):
     assert code == 0
     report = last_json(capsys)
     assert report["methods"] == ["plain", "suffix", "suffix+tuned"]
+    assert report["interleave_s"] == 0.1  # the default: three engines, side by side
     by = {r["method"]: r for r in report["results"]}
     assert by["suffix"]["tuner"] is None and by["plain"]["tuner"] is None
     assert by["suffix+tuned"]["tuner"]["1"]["steps"] > 0
@@ -376,3 +378,8 @@ def test_cli_tune_compare_runs_tuned_twins(tmp_path, capsys):
 def test_tune_compare_does_not_apply_to_replay(capsys):
     assert main(["bench", "--replay", "R", "--tune-compare", "--spec-type", "suffix"]) == 2
     assert "--tune-compare" in capsys.readouterr().err
+
+
+def test_interleave_turn_must_be_positive(capsys):
+    assert main(["bench", "--interleave-seconds", "0"]) == 2
+    assert "--interleave-seconds must be > 0" in capsys.readouterr().err
