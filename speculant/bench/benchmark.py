@@ -2,6 +2,7 @@
 
     speculant bench [--prompts FILE.jsonl [--categories a,b] [--limit N]]
                     [--spec-type "a,b;c"] [--concurrency 1,8] [--max-tokens N] [--repeats R]
+                    [--no-interleave | --interleave-seconds S]
                     [--compare hf[,openai=URL]] [--record FILE] [--out-dir DIR]
     speculant bench --replay RECORDS.jsonl --spec-type "a,b;c"      (no model: bench/replay.py)
 

@@ -89,7 +89,8 @@ def test_an_arm_far_behind_is_re_measured_rarer():
     assert gaps[0] == 8 and all(b == min(4 * a, 1024) for a, b in zip(gaps, gaps[1:]))
     assert gaps[-1] == 1024
     tuner = SpecTuner(TunerConfig(), max_n=16)
-    plain = [i for i, n in enumerate(run_bandit(tuner, lambda n: 98 if n else 100, 3000)) if not n]
+    # plain and drafting equal: within plain's own (smaller) margin, so drafting stays
+    plain = [i for i, n in enumerate(run_bandit(tuner, lambda n: 100, 3000)) if not n]
     gaps = [b - a for a, b in zip(plain, plain[1:])][4:]  # after the measuring phase
     num_short = gaps.index(16)
     assert num_short >= 2 and set(gaps[:num_short]) == {8}
@@ -97,7 +98,7 @@ def test_an_arm_far_behind_is_re_measured_rarer():
 
 
 @pytest.mark.parametrize("bad", [dict(grid=(-1, 2)), dict(min_pulls=0), dict(smoothing=0.0),
-                                 dict(explore_every=2048), dict(margin=1.5),
+                                 dict(explore_every=2048), dict(margin=1.5), dict(plain_margin=-0.1),
                                  dict(confidence=-1.0), dict(prior_rel_sd=-0.1)])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError, match="tuner"):
@@ -260,3 +261,13 @@ def test_bursty_drafting_that_loses_is_still_switched_off():
     runs = bursty_runs(0.9, 0.2)
     assert all(off for off, _ in runs)
     assert sum(share for _, share in runs) / len(runs) < 0.15
+
+
+@pytest.mark.parametrize("drafting, switched_off", [(96, True), (99, False)])
+def test_plain_needs_a_smaller_lead_than_a_draft_to_take_over(drafting, switched_off):
+    """Plain decoding is the safe choice: 3-4% ahead of a drafting incumbent it takes over
+    (below the 5% a draft limit needs), 1% ahead it does not."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    choices = run_bandit(tuner, lambda n: drafting if n else 100, 600)
+    assert (tuner.summary()["1"]["n_max"] == 0) == switched_off
+    assert (choices[-100:].count(0) > 90) == switched_off

@@ -451,3 +451,31 @@ def test_shadow_probes_stay_within_their_share_of_decoding_time():
     decoding_s = 1000 * 8 * 0.0026 + spent[0.0026]  # steps and probes: the time between rounds
     assert 0 < spent[0.0026] <= PROBE_TIME_SHARE * decoding_s + 8 * 0.012  # + one round's
     assert spent[0.0] > 3 * spent[0.0026]  # per-sequence doubling alone: several times more
+
+
+def test_an_unpriced_model_drafter_is_first_asked_for_a_few_new_sequences_a_round():
+    """Before its first tokens price it (calibration.MIN_FIRST), a model drafter re-reads at
+    most FIRST_READS_PER_ROUND new sequences' histories per round; sequences it already read
+    may be asked again. Without back-off (probe_interval 0) every sequence is asked."""
+    from speculant.speculators.chain import FIRST_READS_PER_ROUND
+
+    class Recording(SlowModelDrafter):
+        def __init__(self):
+            super().__init__("model", [5, 6], seconds_per_position=0.0)
+            self.asked = []
+
+        def draft(self, requests):
+            self.asked.append(sorted(r.seq_id for r in requests))
+            return super().draft(requests)
+
+    for probe_interval, first_round in ((16, FIRST_READS_PER_ROUND), (0, 8)):
+        model = Recording()
+        chain = SpeculatorChain([model], probe_interval=probe_interval)
+        for s in range(8):
+            chain.begin(s, [1, 2], ("model",))
+        reqs = [request(s, n_max=2) for s in range(8)]
+        chain.draft(reqs, cost_per_token=0.05, seconds_per_token=0.01)
+        assert len(model.asked[0]) == first_round
+        chain.draft(reqs, cost_per_token=0.05, seconds_per_token=0.01)
+        if probe_interval:  # the two read before, and two more
+            assert model.asked[1][:2] == model.asked[0] and len(model.asked[1]) == 4
