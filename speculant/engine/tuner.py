@@ -62,6 +62,11 @@ LOCAL_SMOOTHING = 0.125
 # again soon (its uncertainty grows) and the choice follows the workload.
 STALE_DROP = 0.25
 BEHIND_SLOWDOWN = 4  # an undecided arm measured behind the incumbent is probed this much rarer
+# ... and one measured past the switching line, short only of confidence, this much more often:
+# its probes cost nothing (it measures faster) and the decision comes sooner. Run H: plain at
+# 1.06x the 4-layer draft on translation c=8, probed every 8 steps, was still undecided after
+# the bucket's 181 steps.
+AHEAD_SPEEDUP = 4
 STALE_WEIGHT = 0.25
 
 
@@ -435,9 +440,11 @@ class SpecTuner:
             # chain pays 1.4x (translation at c=8) its bursty steps kept plain open for the
             # whole run, and a plain step every 8 gives up ~1/8 x (1 - 1/1.4), ~4% of its speed
             behind = arm.compared and arm.speedup < 1.0
+            ahead = arm.compared and arm.speedup > 1 + self._margin(arm)
             state.explore_interval = self.config.explore_every
-            state.next_explore = state.steps + state.explore_interval * (
-                BEHIND_SLOWDOWN if behind else 1)
+            gap = state.explore_interval * BEHIND_SLOWDOWN if behind else \
+                max(2, state.explore_interval // AHEAD_SPEEDUP) if ahead else state.explore_interval
+            state.next_explore = state.steps + gap
             return index
         index = min(others, key=lambda i: arms[i].last_pull)
         state.next_explore = state.steps + state.explore_interval
