@@ -67,6 +67,12 @@ BEHIND_SLOWDOWN = 4  # an undecided arm measured behind the incumbent is probed 
 # 1.06x the 4-layer draft on translation c=8, probed every 8 steps, was still undecided after
 # the bucket's 181 steps.
 AHEAD_SPEEDUP = 4
+# Plain's smaller margin (TunerConfig.plain_margin) holds only while drafting gains less than
+# this many accepted tokens per sequence per step (an accepted length under 1.1): a draft the
+# chain mostly prices out can only cost its overhead, whereas drafting that wins in bursts (the
+# chain on qa at c=8, 1.09x plain with an accepted length of 1.44) is judged by the full margin:
+# with plain's, the tuner switched it off there (1.00x).
+LOW_GAIN = 0.1
 STALE_WEIGHT = 0.25
 
 
@@ -203,6 +209,8 @@ class BucketState:
     current: int = 0  # index of the arm in use this step
     next_explore: int = 0  # the step at which an arm is re-measured next
     num_switches_off: int = 0  # times the incumbent moved to plain decoding (n_max 0)
+    # accepted tokens per sequence per drafting step, a moving average (None before one)
+    drafting_gain: float | None = None
 
 
 def concurrency_bucket(num_decoding: int) -> int:
@@ -305,6 +313,10 @@ class SpecTuner:
             if ref_token_s is not None:
                 arm.compare(tokens, seconds, tokens * ref_token_s, self.config.smoothing)
         arm.observe(tokens, seconds, self.config.smoothing, state.steps)
+        if arm.n_max > 0:
+            gain = tokens / num_decoding - 1.0
+            state.drafting_gain = gain if state.drafting_gain is None else \
+                state.drafting_gain + self.config.smoothing * (gain - state.drafting_gain)
         state.steps += 1
         if not state.measuring:
             if arm is incumbent:
@@ -361,7 +373,7 @@ class SpecTuner:
         if not candidates:
             return
         best = max(candidates, key=lambda i: arms[i].speedup)
-        if self._leads(arms[best]):
+        if self._leads(arms[best], state):
             self._switch(state, best)
 
     def _switch(self, state: BucketState, index: int) -> None:
@@ -381,14 +393,17 @@ class SpecTuner:
         state.explore_interval = self.config.explore_every
         state.next_explore = state.steps + state.explore_interval
 
-    def _leads(self, arm: ArmStats) -> bool:
+    def _leads(self, arm: ArmStats, state: BucketState) -> bool:
         """Whether `arm` beats the incumbent by the margin and by `confidence` standard errors
         of its measured ratio (noise alone does not move the choice either way)."""
         r = arm.speedup
-        return r > 1 + self._margin(arm) and r - 1 > self.config.confidence * self._sd(arm)
+        return r > 1 + self._margin(arm, state) and r - 1 > self.config.confidence * self._sd(arm)
 
-    def _margin(self, arm: ArmStats) -> float:
-        return self.config.plain_margin if arm.n_max == 0 else self.config.margin
+    def _margin(self, arm: ArmStats, state: BucketState) -> float:
+        """The lead `arm` needs over the incumbent: plain's smaller one while drafting gains
+        little (`LOW_GAIN`), the full margin otherwise."""
+        low_gain = state.drafting_gain is not None and state.drafting_gain < LOW_GAIN
+        return self.config.plain_margin if arm.n_max == 0 and low_gain else self.config.margin
 
     def _sd(self, arm: ArmStats) -> float:
         return math.sqrt(arm.speedup_var(self.config.prior_rel_sd))
@@ -432,7 +447,7 @@ class SpecTuner:
         arms = state.arms
         others = [i for i in range(len(arms)) if i != state.incumbent] or [state.incumbent]
         upper = {i: self._upper(arms[i]) for i in others}
-        open_arms = [i for i in others if upper[i] > 1 + self._margin(arms[i])]
+        open_arms = [i for i in others if upper[i] > 1 + self._margin(arms[i], state)]
         if open_arms:
             index = max(open_arms, key=upper.get)
             arm = arms[index]
@@ -440,7 +455,7 @@ class SpecTuner:
             # chain pays 1.4x (translation at c=8) its bursty steps kept plain open for the
             # whole run, and a plain step every 8 gives up ~1/8 x (1 - 1/1.4), ~4% of its speed
             behind = arm.compared and arm.speedup < 1.0
-            ahead = arm.compared and arm.speedup > 1 + self._margin(arm)
+            ahead = arm.compared and arm.speedup > 1 + self._margin(arm, state)
             state.explore_interval = self.config.explore_every
             gap = state.explore_interval * BEHIND_SLOWDOWN if behind else \
                 max(2, state.explore_interval // AHEAD_SPEEDUP) if ahead else state.explore_interval
