@@ -73,6 +73,9 @@ AHEAD_SPEEDUP = 4
 # chain on qa at c=8, 1.09x plain with an accepted length of 1.44) is judged by the full margin:
 # with plain's, the tuner switched it off there (1.00x).
 LOW_GAIN = 0.1
+# ... averaged over the bucket's drafting steps (the last ~500 of them): the chain's gains come
+# in bursts, and a 50-step average dipped under LOW_GAIN between them (qa at c=8: switched off)
+GAIN_SMOOTHING = 0.002
 STALE_WEIGHT = 0.25
 
 
@@ -211,6 +214,7 @@ class BucketState:
     num_switches_off: int = 0  # times the incumbent moved to plain decoding (n_max 0)
     # accepted tokens per sequence per drafting step, a moving average (None before one)
     drafting_gain: float | None = None
+    num_drafting_steps: int = 0
 
 
 def concurrency_bucket(num_decoding: int) -> int:
@@ -314,9 +318,11 @@ class SpecTuner:
                 arm.compare(tokens, seconds, tokens * ref_token_s, self.config.smoothing)
         arm.observe(tokens, seconds, self.config.smoothing, state.steps)
         if arm.n_max > 0:
+            state.num_drafting_steps += 1
             gain = tokens / num_decoding - 1.0
+            weight = max(1.0 / state.num_drafting_steps, GAIN_SMOOTHING)
             state.drafting_gain = gain if state.drafting_gain is None else \
-                state.drafting_gain + self.config.smoothing * (gain - state.drafting_gain)
+                state.drafting_gain + weight * (gain - state.drafting_gain)
         state.steps += 1
         if not state.measuring:
             if arm is incumbent:
