@@ -234,11 +234,11 @@ class TunerConfig:
       re-measurements of the limit measured longest ago.
     - smoothing: how fast an arm forgets old steps (weight decay per step it is used).
     - margin: how much more goodput than the incumbent another limit needs to replace it.
-    - plain_margin: the same for plain decoding (limit 0) replacing a drafting incumbent:
-      smaller, because plain is the safe choice. Switching to it when drafting was as fast
-      costs nothing; staying with a draft 3-5% behind is a loss the margin alone would keep
-      forever (run H: the 4-layer draft at c=8 measured 0.94x by the tuner over 181 steps on
-      translation, never switched off).
+    - plain_margin: the same for plain decoding (limit 0) replacing a drafting incumbent whose
+      drafts gain little (`LOW_GAIN`): smaller, because switching to plain then costs nothing
+      even when drafting was as fast; staying with a draft 3-5% behind is a loss the margin
+      alone would keep forever (run H: the 4-layer draft at c=8 measured 0.94x by the tuner
+      over 181 steps on translation, never switched off).
     - confidence: how many standard errors of its measured ratio an arm must also lead
       by to displace the incumbent (the choice is re-checked every step, hence well above 2).
     - prior_rel_sd: the per-step noise assumed before any spread is measured (`PRIOR_STEPS`
