@@ -143,7 +143,8 @@ def spread(values: list[float]) -> dict:
 
 def machine_info(threads: int) -> dict:
     """What the README's table needs to say where it was measured. `kernel_path`: the path the
-    CPU linear kernels ran on ("avx2", "avx512_vnni"; "torch" for the PyTorch fallback)."""
+    CPU linear kernels ran on ("avx2", "avx512_vnni", "amx_int8"; "torch" for the PyTorch
+    fallback)."""
     import torch
 
     from speculant.kernels.native import kernel_path

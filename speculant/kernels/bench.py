@@ -1,7 +1,7 @@
 """Micro-benchmark of the kernels at SmolLM2-135M's shapes: µs per call (median).
 
     python -m speculant.kernels.bench [--ms 1,4,8,16] [--budget 0.1] [--threads N]
-                                      [--paths avx2,avx512_vnni] [--context 128]
+                                      [--paths avx2,avx512_vnni,amx_int8] [--context 128]
                                       [--kv_dtype float32]
 
 For each weight matrix: the native kernel at every M (on the active kernel path, and on each

@@ -9,11 +9,13 @@ prebuilds it and prints where it lives.
 The native path is off, and callers use the PyTorch fallback, when `SPECULANT_NATIVE=0`, when
 the CPU lacks AVX2, FMA or F16C, or when the build fails (a warning says why).
 
-Kernel paths: the block-type linear kernels and attention's inner loops exist for AVX2 and for
-AVX-512 VNNI (`csrc/avx512/`, compiled apart with the AVX-512 flags so the rest of the library
-still runs on AVX2-only CPUs). The library picks the best path the CPU supports when it loads;
-`SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni` forces one (a path the CPU lacks is an error that
-names it). All paths give bit-identical outputs. `kernel_path()` reports the active one.
+Kernel paths: the block-type linear kernels and attention's inner loops exist for AVX2, AVX-512
+VNNI and AMX-INT8 (`csrc/avx512/`, compiled apart with the AVX-512 and AMX flags so the rest of
+the library still runs on AVX2-only CPUs). The library picks the best path the CPU supports when
+it loads (AMX also needs the OS's leave, asked for then);
+`SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8` forces one (a path the CPU lacks is an
+error that names it). All paths give bit-identical outputs. `kernel_path()` reports the active
+one.
 """
 from __future__ import annotations
 
@@ -39,8 +41,11 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
 # csrc/avx512/*.cpp: compiled into objects of their own with these flags and linked in; only
 # called on CPUs that have the features (csrc/kernel_path.cpp). They include no torch headers.
+# The AMX flags only make the tile intrinsics available (linear_amx.cpp); the compiler never
+# emits tile instructions on its own, so the VNNI objects are unchanged by them.
 AVX512_CFLAGS = ("-O3", "-std=c++17", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
-                 "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+                 "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
+                 "-mamx-int8")
 # what kernel_path() reports when the native kernels are not in use
 FALLBACK_PATH = "torch"
 
@@ -71,8 +76,8 @@ def load_ops():
 
 
 def kernel_path() -> str:
-    """The path the native linear kernels run on ("avx2", "avx512_vnni"), or "torch" when the
-    PyTorch fallback runs instead."""
+    """The path the native linear kernels run on ("avx2", "avx512_vnni", "amx_int8"), or "torch"
+    when the PyTorch fallback runs instead."""
     ops = load_ops()
     return ops.kernel_path() if ops is not None else FALLBACK_PATH
 

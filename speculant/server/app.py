@@ -84,8 +84,8 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
     async def lifespan(_app: FastAPI):
         from speculant.kernels.native import kernel_path
 
-        log.info("CPU kernel path: %s (SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni forces one)",
-                 kernel_path())
+        log.info("CPU kernel path: %s (SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8 "
+                 "forces one)", kernel_path())
         state.loop.start()
         try:
             yield

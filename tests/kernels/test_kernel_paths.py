@@ -1,4 +1,4 @@
-"""Kernel paths (AVX2, AVX-512 VNNI): every path's linear and attention outputs are bit-identical
+"""Kernel paths (AVX2, AVX-512 VNNI, AMX-INT8): every path's linear and attention outputs are bit-identical
 to the AVX2 path's (a mixed fleet produces the same text) and batch-invariant; the path is chosen
 from the CPU's features or forced with SPECULANT_KERNEL_PATH, and a bad choice fails loudly.
 
@@ -20,8 +20,10 @@ from speculant.kernels import PackedLinear, native_available, paged_attention
 from speculant.kernels.native import forced_kernel_path, kernel_path, supported_kernel_paths
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
-ALL_PATHS = ["avx2", "avx512_vnni"]
-PATH_FEATURES = {"avx2": "avx2 fma f16c", "avx512_vnni": "avx512f avx512bw avx512vl avx512_vnni"}
+ALL_PATHS = ["avx2", "avx512_vnni", "amx_int8"]
+WIDE_PATHS = ALL_PATHS[1:]  # the paths checked bit for bit against AVX2
+PATH_FEATURES = {"avx2": "avx2 fma f16c", "avx512_vnni": "avx512f avx512bw avx512vl avx512_vnni",
+                 "amx_int8": "amx_tile amx_int8 and the AVX-512 VNNI features"}
 # (out_features, in_features): odd group counts and partial groups (203, 17, 8), one block per
 # row (32), SmolLM2-135M's down projection (1536) and a multiple of 16 rows (96)
 SHAPES = [(203, 576), (17, 96), (8, 32), (96, 1536)]
@@ -71,38 +73,52 @@ def on_path(path: str, w: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         return w(x)
 
 
-def assert_paths_agree(w: PackedLinear, x: torch.Tensor, row_counts) -> None:
+@pytest.fixture(params=WIDE_PATHS)
+def wide_path(request) -> str:
+    """A path other than AVX2 that this CPU runs (the test skips for one it lacks)."""
+    require_path(request.param)
+    return request.param
+
+
+def assert_paths_agree(w: PackedLinear, x: torch.Tensor, row_counts, path: str) -> None:
     for m in row_counts:
-        ref, vnni = on_path("avx2", w, x[:m]), on_path("avx512_vnni", w, x[:m])
-        assert torch.equal(bits(vnni), bits(ref)), f"M={m}"
+        ref, out = on_path("avx2", w, x[:m]), on_path(path, w, x[:m])
+        assert torch.equal(bits(out), bits(ref)), f"{path} M={m}"
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 @pytest.mark.parametrize("out_features, in_features", SHAPES)
-def test_vnni_matches_avx2_bitwise(qtype, out_features, in_features):
-    """AVX-512 VNNI output == AVX2 output, bit for bit, for every batch size 1..32."""
-    require_path("avx512_vnni")
+def test_path_matches_avx2_bitwise(qtype, out_features, in_features, wide_path):
+    """AVX-512 VNNI / AMX-INT8 output == AVX2 output, bit for bit, for every batch size 1..32."""
     w = PackedLinear.from_float(random_weight(out_features, in_features), qtype)
-    assert_paths_agree(w, activations(32, in_features), range(1, 33))
-
-
-def test_vnni_matches_avx2_on_lm_head():
-    """The default model's LM head shape (49152 x 576, Q8_0): bit-identical at 1..32 rows."""
-    require_path("avx512_vnni")
-    w = PackedLinear.from_float(random_weight(*LM_HEAD), "Q8_0")
-    assert_paths_agree(w, activations(32, LM_HEAD[1]), (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32))
+    assert_paths_agree(w, activations(32, in_features), range(1, 33), wide_path)
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
-def test_vnni_matches_avx2_over_the_whole_integer_range(qtype):
+def test_path_matches_avx2_on_prefill_sized_batches(qtype, wide_path):
+    """Row counts that take several 16-row tiles, a short last tile, and more than one 128-row
+    pass (a prefill chunk): still bit-identical."""
+    w = PackedLinear.from_float(random_weight(72, 96), qtype)
+    assert_paths_agree(w, activations(300, 96), (33, 47, 100, 128, 129, 161, 300), wide_path)
+
+
+def test_path_matches_avx2_on_lm_head(wide_path):
+    """The default model's LM head shape (49152 x 576, Q8_0): bit-identical at 1..32 rows."""
+    w = PackedLinear.from_float(random_weight(*LM_HEAD), "Q8_0")
+    assert_paths_agree(w, activations(32, LM_HEAD[1]), (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32),
+                       wide_path)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_path_matches_avx2_over_the_whole_integer_range(qtype, wide_path):
     """Every Q8_0 value -127..127 (each block's largest is 127, so q = w) and every nibble, against
-    activations at +/-127: the signed products and Q8_0's +128 offset stay exact."""
-    require_path("avx512_vnni")
+    activations at +/-127: the signed products, Q8_0's +128 offset (VNNI) and Q4_0's q - 8 (AMX)
+    stay exact."""
     g = torch.Generator().manual_seed(5)
     w = torch.randint(-127, 128, (40, 128), generator=g).float()
     w[:, ::32] = 127.0
-    x = torch.randn(7, 128, generator=g).sign() * 1e3  # every activation quantizes to +/-127
-    assert_paths_agree(PackedLinear.from_float(w, qtype), x, range(1, 8))
+    x = torch.randn(20, 128, generator=g).sign() * 1e3  # every activation quantizes to +/-127
+    assert_paths_agree(PackedLinear.from_float(w, qtype), x, range(1, 21), wide_path)
 
 
 @pytest.fixture(scope="module")
@@ -116,27 +132,57 @@ def smollm2() -> dict:
 
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.3.ffn_down.weight",
                                   "token_embd.weight"])  # Q4_1, Q4_1, Q8_0 (the tied LM head)
-def test_vnni_matches_avx2_on_real_tensors(smollm2, name):
+def test_path_matches_avx2_on_real_tensors(smollm2, name, wide_path):
     """Real SmolLM2 weights: bit-identical across paths at verification-chunk sizes."""
-    require_path("avx512_vnni")
     tensor = smollm2[name]
     out_features, in_features = tensor.data.shape[0], int(tensor.shape[0])
     w = PackedLinear.from_gguf(tensor.tensor_type.name, tensor.data, out_features, in_features)
-    assert_paths_agree(w, activations(16, in_features), (1, 2, 5, 9, 16))
+    assert_paths_agree(w, activations(40, in_features), (1, 2, 5, 9, 16, 40), wide_path)
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_each_path_is_batch_invariant(qtype, path):
-    """On each path, row i is bit-identical alone, in every batch size 1..20, and at any
-    position in a batch."""
+    """On each path, row i is bit-identical alone, in every batch size 1..40 (one to three AMX
+    row tiles), and at any position in a batch."""
     w = PackedLinear.from_float(random_weight(203, 160), qtype)
-    x = activations(20, 160)
+    x = activations(40, 160)
     with forced_kernel_path(path):
-        alone = torch.cat([w(x[i:i + 1]) for i in range(20)])  # [20, 203]
-        for m in range(1, 21):
+        alone = torch.cat([w(x[i:i + 1]) for i in range(40)])  # [40, 203]
+        for m in range(1, 41):
             assert torch.equal(bits(w(x[:m])), bits(alone[:m])), f"M={m}"
-        perm = torch.randperm(20, generator=torch.Generator().manual_seed(3))
+        perm = torch.randperm(40, generator=torch.Generator().manual_seed(3))
         assert torch.equal(bits(w(x[perm])), bits(alone[perm]))
+
+
+AMX_ON_THREADS = """
+import torch
+from speculant.kernels import PackedLinear
+from speculant.kernels.native import forced_kernel_path
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+for qtype in ("Q4_0", "Q4_1", "Q8_0"):
+    w = PackedLinear.from_float(torch.randn(2048, 96, generator=g) * 0.05, qtype)
+    x = torch.randn(64, 96, generator=g)
+    with forced_kernel_path("avx2"):
+        ref = w(x)
+    with forced_kernel_path("amx_int8"):
+        for _ in range(3):
+            assert torch.equal(w(x).view(torch.int32), ref.view(torch.int32)), qtype
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("pool", ["1", "0"])  # our work-sharing pool, torch's OpenMP threads
+def test_amx_runs_on_every_worker_thread(pool):
+    """Tile state is per thread: a product split across two threads, in a fresh process (no
+    thread has touched the tiles before), gives the AVX2 result on either threading backend
+    rather than dying at the first tile instruction of a worker."""
+    require_path("amx_int8")
+    env = {**os.environ, "SPECULANT_POOL": pool}
+    done = subprocess.run([sys.executable, "-c", AMX_ON_THREADS], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
 
 
 def attention_batch(head_dim: int, cache_dtype: torch.dtype, num_tokens: int, seed: int = 7):
@@ -160,18 +206,17 @@ def attend_on(path: str, *args) -> torch.Tensor:
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 72, 128])  # 72: a last slice of 8 features
 @pytest.mark.parametrize("num_tokens", [1, 2, 9, 16])  # 3 to 48 queries per KV head
-def test_wide_attention_matches_avx2_bitwise(cache_dtype, head_dim, num_tokens):
-    """Attention on the AVX-512 path (512-bit score and value loops) == the AVX2 loops, bit for bit."""
-    require_path("avx512_vnni")
+def test_wide_attention_matches_avx2_bitwise(cache_dtype, head_dim, num_tokens, wide_path):
+    """Attention on the AVX-512 paths (512-bit score and value loops) == the AVX2 loops, bit for
+    bit."""
     args = attention_batch(head_dim, cache_dtype, num_tokens)
-    assert torch.equal(bits(attend_on("avx512_vnni", *args)), bits(attend_on("avx2", *args)))
+    assert torch.equal(bits(attend_on(wide_path, *args)), bits(attend_on("avx2", *args)))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
-def test_wide_attention_matches_avx2_on_a_prefill(cache_dtype):
+def test_wide_attention_matches_avx2_on_a_prefill(cache_dtype, wide_path):
     """A 40-token prompt from position 0: every context length 1..40, so short partitions (all
     scores possibly negative, padded to 8) and partial 16-position chunks."""
-    require_path("avx512_vnni")
     g = torch.Generator().manual_seed(8)
     k_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
     v_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
@@ -179,7 +224,7 @@ def test_wide_attention_matches_avx2_on_a_prefill(cache_dtype):
     q = torch.randn(40, 9, 64, generator=g)
     args = (q, k_cache, v_cache, tables, torch.zeros(40, dtype=torch.int32),
             torch.arange(40, dtype=torch.int32), 0.125)
-    assert torch.equal(bits(attend_on("avx512_vnni", *args)), bits(attend_on("avx2", *args)))
+    assert torch.equal(bits(attend_on(wide_path, *args)), bits(attend_on("avx2", *args)))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])

@@ -4,6 +4,9 @@
 #include "kernel_path.h"
 
 #include <c10/util/Exception.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -31,11 +34,34 @@ bool has_avx512_vnni() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+// Linux keeps the 8 KB of tile registers out of a process's saved state until it asks for them
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); without that permission the first tile
+// instruction kills the process with SIGILL. The permission covers every thread of the process,
+// those already running included. Asked once; a kernel that refuses makes AMX unsupported here.
+bool amx_permitted() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  static const bool permitted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+
+// AMX-TILE and AMX-INT8 are CPUID leaf 7 EDX bits 24 and 25 (asked directly: not every compiler's
+// __builtin_cpu_supports knows them); the tile kernels also run the VNNI kernels for few rows.
+bool has_amx_int8() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!has_avx512_vnni() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tile = (edx >> 24) & 1u, int8 = (edx >> 25) & 1u;
+  return tile && int8 && amx_permitted();
+}
+
 // In increasing order of preference: "auto" picks the last one the CPU supports.
 constexpr PathInfo kKernelPaths[] = {
     {KernelPath::kAvx2, "avx2", "avx2 fma f16c", has_avx2, false},
     {KernelPath::kAvx512Vnni, "avx512_vnni", "avx512f avx512bw avx512vl avx512_vnni",
      has_avx512_vnni, true},
+    {KernelPath::kAmxInt8, "amx_int8",
+     "amx_tile amx_int8 avx512f avx512bw avx512vl avx512_vnni, and the OS's leave to use tiles",
+     has_amx_int8, true},
 };
 static_assert(std::size(kKernelPaths) == static_cast<size_t>(KernelPath::kNumPaths));
 

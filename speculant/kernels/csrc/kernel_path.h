@@ -3,8 +3,8 @@
 // and benchmarks can compare paths in one process.
 //
 // Every path gives bit-identical results (see linear.cpp), so the choice only changes speed.
-// A path is a row of kKernelPaths; a new one (AMX-INT8, say) adds an enumerator, a row naming its
-// CPU features, and its kernels in linear.cpp's table.
+// A path is a row of kKernelPaths; a new one adds an enumerator, a row naming its CPU features,
+// and its kernels in linear.cpp's table.
 #pragma once
 
 #include <string>
@@ -12,7 +12,7 @@
 
 namespace speculant {
 
-enum class KernelPath : int { kAvx2, kAvx512Vnni, kNumPaths };
+enum class KernelPath : int { kAvx2, kAvx512Vnni, kAmxInt8, kNumPaths };
 
 // The active path: SPECULANT_KERNEL_PATH (auto, or a path name) on first use, else the last
 // set_kernel_path. Throws if the variable names an unknown path or one this CPU cannot run.

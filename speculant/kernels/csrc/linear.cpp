@@ -21,9 +21,10 @@
 // tile is. Row i of the output is therefore bit-identical however many rows are computed with it,
 // and at whatever position.
 //
-// Kernel paths: the block types (Q4_0, Q4_1, Q8_0) run on the active path's kernels, AVX2 here
-// or AVX-512 VNNI (avx512/linear_vnni.cpp), which compute every block's exact integer dot product
-// and then the same float operations in the same order, so all paths give bit-identical outputs.
+// Kernel paths: the block types (Q4_0, Q4_1, Q8_0) run on the active path's kernels, AVX2 here,
+// AVX-512 VNNI (avx512/linear_vnni.cpp) or AMX-INT8 (avx512/linear_amx.cpp, whole 16-row tiles
+// on the tile unit, the rest on VNNI), which compute every block's exact integer dot product and
+// then the same float operations in the same order, so all paths give bit-identical outputs.
 // F32 / F16 weights always run the AVX2 FMA kernel below.
 #include "ops.h"
 
@@ -310,7 +311,7 @@ void run_region(const Kernel& kernel, int64_t g0, int64_t g1, int64_t m0, int64_
 
 // Splits the G weight groups across threads, calling region(g0, g1, m0, m1); long prompts go in
 // passes of kRowsPerPass rows, whose quantized activations stay in L2. Chunks hold an even number
-// of groups: both the AVX2 tiles and the VNNI vectors take groups two at a time.
+// of groups: the AVX2 tiles, the VNNI vectors and the AMX tiles all take groups two at a time.
 template <typename Region>
 void run_parallel(int64_t M, int64_t G, int64_t group_bytes, const Region& region) {
   constexpr int64_t kRowsPerPass = 128;
@@ -352,6 +353,7 @@ enum BlockType : int { kQ4_0, kQ4_1, kQ8_0, kNumBlockTypes };
 constexpr BlockLinearFn kBlockKernels[][kNumBlockTypes] = {
     {linear_q4_0_avx2, linear_q4_1_avx2, linear_q8_0_avx2},
     {linear_q4_0_avx512_vnni, linear_q4_1_avx512_vnni, linear_q8_0_avx512_vnni},
+    {linear_q4_0_amx_int8, linear_q4_1_amx_int8, linear_q8_0_amx_int8},
 };
 static_assert(std::size(kBlockKernels) == static_cast<size_t>(KernelPath::kNumPaths));
 

@@ -44,4 +44,10 @@ void linear_q4_1_avx512_vnni(const BlockLinear& p, int64_t g0, int64_t g1, int64
 void linear_q8_0_avx512_vnni(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0,
                              int64_t m1);
 
+// AMX-INT8 kernels (avx512/linear_amx.cpp); call them only on CPUs that have AMX-INT8, once the
+// OS has allowed this process the tile registers (kernel_path.cpp asks).
+void linear_q4_0_amx_int8(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
+void linear_q4_1_amx_int8(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
+void linear_q8_0_amx_int8(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
+
 }  // namespace speculant
