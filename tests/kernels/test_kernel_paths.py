@@ -205,7 +205,8 @@ def attend_on(path: str, *args) -> torch.Tensor:
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 72, 128])  # 72: a last slice of 8 features
-@pytest.mark.parametrize("num_tokens", [1, 2, 9, 16])  # 3 to 48 queries per KV head
+# 3 to 48 queries per KV head; 21: a 16-token run and a 5-token run
+@pytest.mark.parametrize("num_tokens", [1, 2, 9, 16, 21])
 def test_wide_attention_matches_avx2_bitwise(cache_dtype, head_dim, num_tokens, wide_path):
     """Attention on the AVX-512 paths (512-bit score and value loops) == the AVX2 loops, bit for
     bit."""
@@ -230,7 +231,7 @@ def test_wide_attention_matches_avx2_on_a_prefill(cache_dtype, wide_path):
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
 def test_attention_is_batch_invariant_on_each_path(cache_dtype, path):
     """On each path, every token's attention output is bit-identical alone and in the batch."""
-    q, k_cache, v_cache, tables, seq, pos, scale = attention_batch(64, cache_dtype, 9)
+    q, k_cache, v_cache, tables, seq, pos, scale = attention_batch(64, cache_dtype, 21)
     with forced_kernel_path(path):
         full = paged_attention(q, k_cache, v_cache, tables, seq, pos, scale)
         for t in range(q.shape[0]):

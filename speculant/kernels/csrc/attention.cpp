@@ -48,7 +48,10 @@
 namespace speculant {
 namespace {
 
-constexpr int64_t kRunTokens = 8;  // tokens per unit: bounds a unit's scratch and work
+// Tokens per unit: bounds a unit's scratch and work. On the wide path a unit's fp32 copy of each
+// K chunk serves all its queries: 16 tokens' prefill attention took 8% less time than 8 tokens'
+// (Xeon AMX, a 3072-token prompt in 512-token chunks, interleaved; AVX2 unchanged).
+constexpr int64_t kRunTokens = 16;
 // Positions per partition: the softmax runs over fixed partitions [i * kPartition, ...) of every
 // token's positions, merged at the end, so a long context splits between threads without the
 // result depending on the split (a multiple of 8).
