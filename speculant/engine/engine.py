@@ -223,7 +223,8 @@ class Engine:
         if step.prefill:
             return self.tuner.best(len(step.decode))
         self._tuner_pulled = True
-        return self.tuner.choose(len(step.decode))
+        alone = step.decode[0].seq_id if len(step.decode) == 1 else None
+        return self.tuner.choose(len(step.decode), alone=alone)
 
     def _n_max(self, params: SamplingParams) -> int:
         """The request's own draft limit, else the tuner's for this step, else the engine's."""

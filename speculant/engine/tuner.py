@@ -22,7 +22,8 @@ Policy (the configured limit is the incumbent, as in ik_llama.cpp's speculative 
 keeps the parameters with the best measured tokens/s; measured on the dev prompts, per-step
 goodput is so bursty, a copy hit commits 10 tokens and the next step 1, that a plain argmax over
 six arms chased noise and lost 5-15% to the untuned chain):
-- the arms are first measured `min_pulls` times each, every other step the incumbent (the
+- after `warmup_steps` steps of the untuned limit (the chain calibrating its drafters), the
+  arms are first measured `min_pulls` times each, every other step the incumbent (the
   engine's own `n_max`) so the reference stays fresh;
 - then the incumbent is used, and another arm replaces it only when its goodput relative to the
   incumbent's exceeds 1 + `margin` by `confidence` standard errors (`ArmStats.speedup_var`:
@@ -51,6 +52,10 @@ CONCURRENCY_BUCKETS = (1, 2, 4, 8, 16, 32)  # a bucket holds concurrencies up to
 # draft model's first steps (catching up on 8 prompts at c=8) cost ~10 plain steps each, and
 # measuring it 4 times cost short benchmark runs up to 20%.
 DECISIVE_GAP = 1.5
+# ... over at least this many probes: one step is no evidence (the first drafting step of a
+# request, catch-up left out, still took 17 ms against plain's 11 on summarization at c=1: the
+# draft was switched off after one probe and, never asked again, kept off for the whole run)
+DECISIVE_PROBES = 2
 PRIOR_STEPS = 2.0  # pseudo-steps of the assumed per-step noise in an arm's variance
 # The incumbent's reference goodput forgets its older steps at this rate (about its last 8
 # steps): recent enough that a probe meets the same context and machine state, long enough
@@ -215,6 +220,8 @@ class BucketState:
     # accepted tokens per sequence per drafting step, a moving average (None before one)
     drafting_gain: float | None = None
     num_drafting_steps: int = 0
+    start_step: int = 0  # `steps` when this bucket's measuring began (a restart: see `choose`)
+    alone: int | None = None  # bucket 1: the sequence that decoded alone in its last step
 
 
 def concurrency_bucket(num_decoding: int) -> int:
@@ -229,6 +236,12 @@ def concurrency_bucket(num_decoding: int) -> int:
 class TunerConfig:
     """- grid: the draft limits tried besides the engine's own n_max (0 = plain decoding); those
       above the engine's n_max are dropped.
+    - warmup_steps: steps of a fresh tuner's first bucket that use the engine's own limit
+      before any other is measured: the chain's own learning time (a model drafter is priced
+      only after `calibration.MIN_FIRST` first tokens; before that it drafts its full n_max).
+      Compared during those steps, the 4-layer draft's first long failed drafts measured 1.5x
+      slower than plain on summarization at c=1 and drafting was switched off for 73% of the
+      run where it paid 1.035x.
     - min_pulls: steps each limit is measured before the best is exploited.
     - explore_every, max_explore_every: the first and the longest interval between
       re-measurements of the limit measured longest ago.
@@ -245,6 +258,7 @@ class TunerConfig:
       pseudo-steps of it)."""
 
     grid: tuple[int, ...] = DEFAULT_GRID
+    warmup_steps: int = 32
     min_pulls: int = 4
     explore_every: int = 8
     max_explore_every: int = 1024
@@ -258,6 +272,8 @@ class TunerConfig:
         self.grid = tuple(sorted(set(int(n) for n in self.grid)))
         if not self.grid or self.grid[0] < 0:
             raise ValueError(f"tuner grid must be draft limits >= 0, got {self.grid}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"tuner: warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.min_pulls < 1 or not 2 <= self.explore_every <= self.max_explore_every:
             raise ValueError("tuner: min_pulls must be >= 1 and 2 <= explore_every <= "
                              "max_explore_every")
@@ -278,14 +294,27 @@ class SpecTuner:
         self.grid = tuple(sorted({n for n in config.grid if n <= max_n} | {max_n}))
         self._buckets: dict[int, BucketState] = {}
 
-    def choose(self, num_decoding: int) -> int:
-        """The draft limit for a step with `num_decoding` decoding sequences."""
+    def choose(self, num_decoding: int, alone: int | None = None) -> int:
+        """The draft limit for a step with `num_decoding` decoding sequences. `alone`: the id of
+        the only decoding sequence (None when several decode). At concurrency 1 the choice is
+        made per request: when another sequence decodes alone than in the bucket's last step,
+        the bucket starts over (`_restart`), since one request's text says little about the
+        next one's. Carried from request to request, one decision lost to the untuned limit
+        both ways on the dev prompts at c=1: the draft switched off on summarization's first
+        prompt stayed off for 19 prompts where it paid 1.035x plain, and the chain switched off
+        by a dry spell on qa fell from 1.41x to 1.34x."""
         state = self._bucket(num_decoding)
+        if num_decoding == 1 and alone is not None:
+            if state.alone is not None and state.alone != alone:
+                state = self._restart(state)
+            state.alone = alone
         arms = state.arms
         unmeasured = [i for i, a in enumerate(arms)
                       if i != state.incumbent and a.pulls < self.config.min_pulls]
         state.measuring = state.measuring and bool(unmeasured) and arms[state.incumbent].n_max != 0
-        if state.measuring:
+        if state.measuring and state.steps - state.start_step < self.config.warmup_steps:
+            index = state.incumbent  # the chain learns first (TunerConfig.warmup_steps)
+        elif state.measuring:
             # every other step the incumbent, so that each probe meets a fresh reference; plain
             # first among the others: where it wins at once the other draft limits are not
             # measured now (only re-measured, one step at a time), which saves a draft model
@@ -308,7 +337,13 @@ class SpecTuner:
         A probe is not charged for that: the arm, if chosen, would pay it once, not per step
         (measured on summarization at c=1: a draft-model probe after 127 plain steps took 29 ms,
         15 of them drafting, where the probes around it took 10-12 ms; one such outlier's
-        spread keeps the comparison open for dozens of probes)."""
+        spread keeps the comparison open for dozens of probes). The incumbent is: its catch-up
+        is mostly the windows its shadow drafts re-read, a cost it pays again and again (the
+        4-layer draft on qa at c=1, verified almost never: 0.95x plain in the bench, 0.986x in
+        the tuner's eyes when that was left out, and never switched off). The steps that read a
+        new request's prompt fall in the warm-up of a fresh or restarted bucket
+        (`TunerConfig.warmup_steps`); after them, with drafting the incumbent, they fade from
+        its recent goodput within ~8 steps, and plain needs two decisive probes."""
         state = self._bucket(num_decoding)
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
         if arm is not incumbent:
@@ -366,6 +401,26 @@ class SpecTuner:
             state.next_explore = self.config.explore_every
         return state
 
+    def _restart(self, old: BucketState) -> BucketState:
+        """Bucket 1 for a new request, when plain decoding is its incumbent: the untuned limit
+        again, warm-up and measuring as for a fresh tuner (the chain then learns the new text
+        before anything is compared); the step count, the switches off and drafting's gain
+        carry on. Kept as it is while drafting is the incumbent (re-measuring plain on every
+        request would cost a 1.9x chain ~1.5%; the usual probes follow the new text), and while
+        drafting has gained nothing so far (`LOW_GAIN`, over every request's drafting steps): a
+        drafter the chain prices out everywhere has no good requests to find, and its small
+        cost (~2%, within one request's noise) is only told from plain over many requests."""
+        if old.arms[old.incumbent].n_max != 0 or old.drafting_gain is None or \
+                old.drafting_gain < LOW_GAIN:
+            return old
+        state = BucketState([ArmStats(n) for n in self.grid], incumbent=len(self.grid) - 1,
+                            explore_interval=self.config.explore_every, steps=old.steps,
+                            start_step=old.steps, num_switches_off=old.num_switches_off,
+                            drafting_gain=old.drafting_gain,
+                            num_drafting_steps=old.num_drafting_steps)
+        self._buckets[concurrency_bucket(1)] = state
+        return state
+
     def _challenge(self, state: BucketState) -> None:
         """The best-measured arm replaces the incumbent only when it leads it clearly (`_leads`);
         a change brings re-measurement back to its shortest interval."""
@@ -373,7 +428,7 @@ class SpecTuner:
         candidates = [i for i, a in enumerate(arms)
                       if i != state.incumbent and a.compared and a.pulls >= min_pulls]
         plain = arms[0]  # arm 0: the smallest limit
-        if state.incumbent != 0 and plain.compared and plain.speedup > DECISIVE_GAP:
+        if state.incumbent != 0 and plain.pulls >= DECISIVE_PROBES and plain.speedup > DECISIVE_GAP:
             self._switch(state, 0)
             return
         if not candidates:

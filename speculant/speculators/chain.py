@@ -83,6 +83,16 @@ FIRST_READS_PER_ROUND = 2
 MAX_ROUND_GAP_S = 1.0
 
 
+def _silence(state: "_SeqState", history_len: int) -> int:
+    """`state.silent_steps` counted up to a round at `history_len` tokens: one per token
+    committed since the last round (one per step while the chain is asked and nothing is
+    verified; while the tuner decodes plain, the chain only sees its probes). Counted in rounds, a drafter priced out before the tuner switched to
+    plain decoding was never shadow-drafted again: at c=1 a request saw a handful of probes,
+    not the 16 rounds of `probe_interval`, and drafting stayed off for the whole run."""
+    gap = history_len - state.draft_pos if state.draft_pos >= 0 else 1
+    return state.silent_steps + max(1, gap)
+
+
 def _context_counters() -> list[AcceptanceCounters]:
     return [AcceptanceCounters() for _ in range(NUM_CONTEXTS)]
 
@@ -106,7 +116,10 @@ class _SeqState:
     tail: tuple[str, int, list[int], list[float] | None, int] | None = None
     draft_pos: int = -1  # history length the last round drafted after
     winner: Draft | None = None
-    silent_steps: int = 0  # consecutive draft rounds without a verified draft
+    # tokens committed since the last verified draft, this round's step included (`_silence`):
+    # one per silent draft round, and every token of the steps between rounds (the tuner's
+    # plain steps)
+    silent_steps: int = 0
     # per model drafter: silent rounds before its next shadow draft (doubles while they fail)
     probe_every: dict[str, int] = field(default_factory=dict)
     # per model drafter: this sequence's record against the drafter's calibration
@@ -201,6 +214,10 @@ class SpeculatorChain:
         if self._last_round is not None:
             self._round_seconds += min(now - self._last_round, MAX_ROUND_GAP_S)
         self._last_round = now
+        for r in requests:  # this round's step is silent until a draft of it is verified
+            state = self._seqs[r.seq_id]
+            state.silent_steps = _silence(state, len(r.token_ids))
+            state.draft_pos = len(r.token_ids)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
@@ -241,10 +258,7 @@ class SpeculatorChain:
             untrimmed = None if best is None else next(d for d in drafts if d.source == best.source)
             state.winner_tokens = [] if untrimmed is None else untrimmed.token_ids
             state.winner_probs = None if untrimmed is None else untrimmed.token_probs
-            state.draft_pos = len(by_id[seq_id].token_ids)
-            if best is None:
-                state.silent_steps += 1
-            else:
+            if best is not None:
                 state.silent_steps = 0
                 winners[seq_id] = best
         return winners
@@ -282,10 +296,10 @@ class SpeculatorChain:
                     n = n if num_first_reads <= FIRST_READS_PER_ROUND else 0
             every = state.probe_every.get(name, self.probe_interval)
             window = PROBE_CONTEXT_TOKENS if value is None else 0  # a first ask: not priced yet
-            if n == 0 and state.silent_steps >= every and rival[r.seq_id] <= 0 \
+            if n == 0 and state.silent_steps > every and rival[r.seq_id] <= 0 \
                     and self._may_probe(name, seconds_per_token):
                 n, window = 1, PROBE_CONTEXT_TOKENS  # a shadow draft: the silence count
-                state.silent_steps = 0  # restarts, as after a verified one, and the next one
+                state.silent_steps = 1  # restarts at this (silent) step, and the next one
                 # comes twice as late (measured: one every 16 rounds cost eagle3 6% of a c=8
                 # run where it never paid)
                 state.probe_every[name] = min(2 * every, MAX_PROBE_INTERVAL)

@@ -70,12 +70,66 @@ def test_a_new_bucket_starts_from_its_neighbours_choice_without_measuring():
     assert choices == [0] * 8 and tuner.best(2) == 0
 
 
-def test_a_decisive_loss_switches_to_plain_after_one_step():
+def test_a_decisive_loss_switches_to_plain_after_two_probes():
     """Drafting at a fifth of plain's goodput (a draft model catching up on its prompts) is
-    not measured four times: one step each decides, then only rare re-measurements."""
-    tuner = SpecTuner(TunerConfig(), max_n=16)
+    not measured four times: two probes of plain decide (one step is no evidence: an unpriced
+    draft model's first long drafts), then only rare re-measurements."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=0), max_n=16)
     choices = run_bandit(tuner, lambda n: 20 if n else 100, steps=40)
-    assert choices[:2] == [16, 0] and choices[2:].count(16) <= 2 and tuner.best(1) == 0
+    assert choices[:4] == [16, 0, 16, 0] and choices[4:].count(16) <= 2 and tuner.best(1) == 0
+
+
+def test_the_first_steps_use_the_untuned_limit_while_the_chain_learns():
+    """A fresh tuner's first bucket drafts at the engine's own limit for `warmup_steps` steps
+    (however plain would measure: nothing is measured), then measures; a bucket created later
+    inherits its neighbour's choice and does not warm up again."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=32), max_n=16)
+    choices = run_bandit(tuner, lambda n: 20 if n else 100, steps=40)
+    assert choices[:32] == [16] * 32 and choices[32:35] == [0, 16, 0]
+    assert choices[35:] == [0] * 5 and tuner.best(1) == 0
+    assert run_bandit(tuner, lambda n: 20 if n else 100, steps=4, num_decoding=2) == [0] * 4
+
+
+def run_requests(tuner, requests, step):
+    """Requests decoded one at a time (concurrency 1): (sequence id, steps) pairs; `step(n)`
+    gives a step's (tokens, seconds) at draft limit n. Returns each request's choices."""
+    out = []
+    for seq_id, steps in requests:
+        choices = []
+        for _ in range(steps):
+            n = tuner.choose(1, alone=seq_id)
+            choices.append(n)
+            tuner.observe(1, *step(n))
+        out.append(choices)
+    return out
+
+
+def test_at_concurrency_1_each_request_starts_again_from_the_untuned_limit():
+    """One request's text says little about the next one's: drafting switched off on request 7
+    (it gains a token a step but takes 4x plain's time there) is back at the engine's limit for
+    request 8's warm-up, then measured again; the switches off are still counted."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=4), max_n=16)
+    def step(n):
+        return (2, 4.0) if n else (1, 1.0)
+
+    first, second = run_requests(tuner, [(7, 60), (8, 6)], step)
+    assert first[:4] == [16] * 4 and first[-20:].count(16) <= 2
+    assert second[:4] == [16] * 4 and second[4] == 0  # warm-up, then measuring
+    assert tuner.summary()["1"]["num_switches_off"] == 1
+    assert tuner.summary()["1"]["steps"] == 66
+    # the same request on: no restart, plain again after its two probes
+    assert run_requests(tuner, [(8, 40)], step)[0][-20:].count(16) <= 2 and tuner.best(1) == 0
+
+
+def test_a_drafter_that_gains_nothing_stays_off_for_the_next_request():
+    """Drafting that never gets a token accepted (the chain prices its drafter out; it only
+    costs 10% more time): plain decoding, once chosen, carries to the next request: no
+    per-request warm-up where no request can gain."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=4), max_n=16)
+    run_requests(tuner, [(1, 300)], lambda n: (1, 1.1) if n else (1, 1.0))
+    assert tuner.best(1) == 0
+    nxt = run_requests(tuner, [(2, 8)], lambda n: (1, 1.1) if n else (1, 1.0))[0]
+    assert nxt.count(16) <= 1 and tuner.best(1) == 0  # at most a re-measurement, no warm-up
 
 
 def test_an_arm_far_behind_is_re_measured_rarer():
@@ -83,12 +137,13 @@ def test_an_arm_far_behind_is_re_measured_rarer():
     probes grow 4x (a losing draft model's probes are its costliest steps); an arm within the
     margin is re-measured every 8 steps while it might still beat the incumbent by the margin
     (too few steps to tell), then at gaps that only double."""
-    tuner = SpecTuner(TunerConfig(), max_n=16)
+    tuner = SpecTuner(TunerConfig(warmup_steps=0), max_n=16)
     probes = [i for i, n in enumerate(run_bandit(tuner, lambda n: 50 if n else 100, 3000)) if n]
-    gaps = [b - a for a, b in zip(probes, probes[1:])][1:]  # from the first re-measurement
+    assert probes[:2] == [0, 2]  # the measuring phase: two plain probes decide
+    gaps = [b - a for a, b in zip(probes, probes[1:])][2:]  # from the first re-measurement
     assert gaps[0] == 8 and all(b == min(4 * a, 1024) for a, b in zip(gaps, gaps[1:]))
     assert gaps[-1] == 1024
-    tuner = SpecTuner(TunerConfig(), max_n=16)
+    tuner = SpecTuner(TunerConfig(warmup_steps=0), max_n=16)
     # plain and drafting equal: within plain's own (smaller) margin, so drafting stays
     plain = [i for i, n in enumerate(run_bandit(tuner, lambda n: 100, 3000)) if not n]
     gaps = [b - a for a, b in zip(plain, plain[1:])][4:]  # after the measuring phase
@@ -140,6 +195,27 @@ def test_engine_tuner_picks_long_drafts_on_synthetic_acceptance_high():
     engine.run_to_completion(["Tell me a story."], SamplingParams(max_tokens=256, temperature=0.0,
                                                                   ignore_eos=True))
     assert engine.tuner.best(1) >= 4
+
+
+def test_engine_names_the_sequence_that_decodes_alone():
+    """The engine gives the tuner the id of a sequence decoding alone (bucket 1 restarts per
+    request on it) and none when several decode."""
+    engine = synthetic_engine(0.5)
+    seen = []
+    choose = engine.tuner.choose
+
+    def recording(num_decoding, alone=None):
+        seen.append((num_decoding, alone))
+        return choose(num_decoding, alone=alone)
+
+    engine.tuner.choose = recording
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompt in ("Tell me a story.", "Tell me another story."):
+        engine.run_to_completion([prompt], params)
+    assert {n for n, _ in seen} == {1} and len({a for _, a in seen}) == 2 and (1, None) not in seen
+    seen.clear()
+    engine.run_to_completion(["Tell me a story.", "Tell me another story."], params)
+    assert (2, None) in seen and all(a is None for n, a in seen if n == 2)
 
 
 def test_tuned_outputs_equal_plain(default_engine):

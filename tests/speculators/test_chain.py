@@ -313,27 +313,28 @@ def test_losing_proposals_are_scored_so_the_better_drafter_takes_over():
     assert lengths[-1] >= 4
 
 
+class ModelCopier(Copier):
+    """A model drafter (priced by its drafting time) that copies; records each ask's n_max and
+    history window."""
+    is_model_based = True
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.asked, self.windows = [], []
+
+    def draft(self, requests):
+        self.asked.extend(r.params.n_max for r in requests)
+        self.windows.extend(r.params.context_tokens for r in requests)
+        return {r.seq_id: Draft(d.token_ids[:r.params.n_max])
+                for r, d in zip(requests, super().draft(requests).values())}
+
+
 def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
     """A model drafter the chain stopped asking gets a one-token draft after `probe_interval`
     silent rounds, then twice as late each time; it is scored, not verified, and once such
     drafts match it drafts again (after at most the interval it had reached: 64 rounds here)."""
     text = list(range(1000, 3000))
-
-    class ModelCopier(Copier):
-        is_model_based = True
-
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.asked = []
-
-        def draft(self, requests):
-            self.asked.extend(r.params.n_max for r in requests)
-            self.windows.extend(r.params.context_tokens for r in requests)
-            return {r.seq_id: Draft(d.token_ids[:r.params.n_max])
-                    for r, d in zip(requests, super().draft(requests).values())}
-
     model = ModelCopier("model", text)
-    model.windows = []
     chain = SpeculatorChain([model], probe_interval=4)
     chain.begin(0, text[:10], ("model",))
     lengths = run_like_the_engine(chain, text, 10, 16)
@@ -349,6 +350,33 @@ def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
     model.wrong = False
     lengths = run_like_the_engine(chain, text, 200, 120)
     assert chain.stats["model"].num_drafts > verified and lengths[-1] >= 2
+
+
+def test_silence_counts_the_steps_between_rounds():
+    """Rounds only every 10th step (the tuner decodes plain in between: nothing is drafted, the
+    committed tokens are still processed): a priced-out model drafter's shadow draft is due
+    after `probe_interval` silent *steps*, so it comes at the next round. Counted in rounds it
+    needed 4 rounds, 40 steps here, and with the tuner's rarer probes at c=1 it never came."""
+    from speculant.speculators.base import CommittedTokens
+
+    text = list(range(1000, 3000))
+    model = ModelCopier("model", text)
+    chain = SpeculatorChain([model], probe_interval=4)
+    chain.begin(0, text[:10], ("model",))
+    run_like_the_engine(chain, text, 10, 16)  # its junk drafts priced it out
+    chain.begin(1, text[:10], ("model",))
+    asked = len(model.asked)
+    pos = 10
+    for round_ in range(3):
+        assert run_like_the_engine(chain, text, pos, 1, seq_id=1) == [0]  # never verified
+        pos += 1
+        if round_ == 0:
+            assert len(model.asked) == asked  # one silent step: not due yet
+        else:
+            assert len(model.asked) == asked + round_ and model.asked[-1] == 1  # a shadow draft
+        for _ in range(9):  # plain steps
+            chain.process([CommittedTokens(1, pos - 1, text[pos - 1:pos], text[pos])])
+            pos += 1
 
 
 def test_probe_interval_zero_verifies_every_proposal():
