@@ -52,9 +52,10 @@ CONCURRENCY_BUCKETS = (1, 2, 4, 8, 16, 32)  # a bucket holds concurrencies up to
 # draft model's first steps (catching up on 8 prompts at c=8) cost ~10 plain steps each, and
 # measuring it 4 times cost short benchmark runs up to 20%.
 DECISIVE_GAP = 1.5
-# ... over at least this many probes: one step is no evidence (the first drafting step of a
-# request, catch-up left out, still took 17 ms against plain's 11 on summarization at c=1: the
-# draft was switched off after one probe and, never asked again, kept off for the whole run)
+# ... over at least this many probes: one step is no evidence (on summarization at c=1 the
+# draft's first step, reading the prompt and drafting its full n_max while still unpriced, took
+# 17 ms against plain's 11 with its catch-up left out: switched off after one probe, the draft
+# was never verified again in the run)
 DECISIVE_PROBES = 2
 PRIOR_STEPS = 2.0  # pseudo-steps of the assumed per-step noise in an arm's variance
 # The incumbent's reference goodput forgets its older steps at this rate (about its last 8
@@ -297,12 +298,12 @@ class SpecTuner:
     def choose(self, num_decoding: int, alone: int | None = None) -> int:
         """The draft limit for a step with `num_decoding` decoding sequences. `alone`: the id of
         the only decoding sequence (None when several decode). At concurrency 1 the choice is
-        made per request: when another sequence decodes alone than in the bucket's last step,
-        the bucket starts over (`_restart`), since one request's text says little about the
-        next one's. Carried from request to request, one decision lost to the untuned limit
-        both ways on the dev prompts at c=1: the draft switched off on summarization's first
-        prompt stayed off for 19 prompts where it paid 1.035x plain, and the chain switched off
-        by a dry spell on qa fell from 1.41x to 1.34x."""
+        made per request: when another sequence decodes alone than in the bucket's last step
+        while plain decoding is the incumbent, the bucket starts over (see `_restart`), since
+        one request's text says little about the next one's. Carried from request to request,
+        one decision lost to the untuned limit on the dev prompts at c=1: the draft switched
+        off on summarization's first prompt stayed off for 19 prompts where it paid 1.035x
+        plain, and the chain switched off by a dry spell on qa fell from 1.41x to 1.34x."""
         state = self._bucket(num_decoding)
         if num_decoding == 1 and alone is not None:
             if state.alone is not None and state.alone != alone:
@@ -428,7 +429,8 @@ class SpecTuner:
         candidates = [i for i, a in enumerate(arms)
                       if i != state.incumbent and a.compared and a.pulls >= min_pulls]
         plain = arms[0]  # arm 0: the smallest limit
-        if state.incumbent != 0 and plain.pulls >= DECISIVE_PROBES and plain.speedup > DECISIVE_GAP:
+        if state.incumbent != 0 and plain.compared and plain.pulls >= DECISIVE_PROBES and \
+                plain.speedup > DECISIVE_GAP:
             self._switch(state, 0)
             return
         if not candidates:

@@ -86,9 +86,10 @@ MAX_ROUND_GAP_S = 1.0
 def _silence(state: "_SeqState", history_len: int) -> int:
     """`state.silent_steps` counted up to a round at `history_len` tokens: one per token
     committed since the last round (one per step while the chain is asked and nothing is
-    verified; while the tuner decodes plain, the chain only sees its probes). Counted in rounds, a drafter priced out before the tuner switched to
-    plain decoding was never shadow-drafted again: at c=1 a request saw a handful of probes,
-    not the 16 rounds of `probe_interval`, and drafting stayed off for the whole run."""
+    verified; while the tuner decodes plain, the chain only sees its probes). Counted in
+    rounds, a drafter priced out before the tuner switched to plain decoding was never
+    shadow-drafted again: at c=1 a request saw a handful of probes, not the 16 rounds of
+    `probe_interval`, and drafting stayed off for the whole run."""
     gap = history_len - state.draft_pos if state.draft_pos >= 0 else 1
     return state.silent_steps + max(1, gap)
 
