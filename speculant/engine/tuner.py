@@ -406,8 +406,9 @@ class SpecTuner:
         """Bucket 1 for a new request, when plain decoding is its incumbent: the untuned limit
         again, warm-up and measuring as for a fresh tuner (the chain then learns the new text
         before anything is compared); the step count, the switches off and drafting's gain
-        carry on. Kept as it is while drafting is the incumbent (re-measuring plain on every
-        request would cost a 1.9x chain ~1.5%; the usual probes follow the new text), and while
+        carry on. Kept as it is while drafting is the incumbent (4 plain probes per request
+        would cost a 1.9x chain ~1.5% of a 130-step request, by arithmetic; the usual probes
+        follow the new text), and while
         drafting has gained nothing so far (`LOW_GAIN`, over every request's drafting steps): a
         drafter the chain prices out everywhere has no good requests to find, and its small
         cost (~2%, within one request's noise) is only told from plain over many requests."""
