@@ -408,10 +408,10 @@ class SpecTuner:
         before anything is compared); the step count, the switches off and drafting's gain
         carry on. Kept as it is while drafting is the incumbent (4 plain probes per request
         would cost a 1.9x chain ~1.5% of a 130-step request, by arithmetic; the usual probes
-        follow the new text), and while
-        drafting has gained nothing so far (`LOW_GAIN`, over every request's drafting steps): a
-        drafter the chain prices out everywhere has no good requests to find, and its small
-        cost (~2%, within one request's noise) is only told from plain over many requests."""
+        follow the new text), and while drafting has gained nothing so far (`LOW_GAIN`, over
+        every request's drafting steps): a drafter the chain prices out everywhere has no good
+        request to find, and its small cost, within one request's noise, is only told from
+        plain over many requests."""
         if old.arms[old.incumbent].n_max != 0 or old.drafting_gain is None or \
                 old.drafting_gain < LOW_GAIN:
             return old
