@@ -381,13 +381,18 @@ class Engine:
 
     def _propose(self, decoding: list[Sequence]) -> dict[int, Draft]:
         self.chain.round_catch_up_seconds = 0.0
-        requests = []
+        requests, watched = [], []
         for seq in decoding:
             if not seq.spec_types:
                 continue
             params = self._draft_params(seq)
             if params.n_max > 0:
                 requests.append(DraftRequest(seq.seq_id, seq.token_ids, params))
+            elif self._tuned_n_max == 0 and seq.params.spec.n_max is None:
+                watched.append(DraftRequest(seq.seq_id, seq.token_ids,
+                                            self._draft_params(seq, self.config.spec_n_max)))
+        if watched:
+            self._shadow(watched)
         if not requests:
             return {}
         try:
@@ -398,9 +403,21 @@ class Engine:
             self.stats.num_speculator_errors += 1
             return {}
 
-    def _draft_params(self, seq: Sequence) -> DraftParams:
+    def _shadow(self, requests: list[DraftRequest]) -> None:
+        """The tuner decodes plain this step: the chain's model-free speculators still propose
+        for it, unverified (`SpeculatorChain.shadow`), so that a later probe of drafting meets
+        speculators that followed the text."""
+        try:
+            self.chain.shadow([r for r in requests if r.params.n_max > 0])
+        except Exception:  # a faulty speculator costs speed, never correctness or the engine
+            log.exception("speculator failed in a shadow round")
+            self.stats.num_speculator_errors += 1
+
+    def _draft_params(self, seq: Sequence, n_max: int | None = None) -> DraftParams:
+        """The limits of `seq`'s draft this step (`n_max`: instead of the request's, the
+        tuner's or the engine's limit), within what its context and max_tokens leave."""
         p = seq.params.spec
-        n_max = self._n_max(seq.params)
+        n_max = self._n_max(seq.params) if n_max is None else n_max
         # The target adds one token after the draft: leave room for it in max_tokens and the
         # context. The KV reserved this step (kv_budget) holds positions up to the draft's end.
         room = min(seq.params.max_tokens - seq.num_generated - 1,

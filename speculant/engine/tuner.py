@@ -368,8 +368,10 @@ class SpecTuner:
         self._challenge(state)
 
     def best(self, num_decoding: int) -> int:
-        """The incumbent limit (the one used between re-measurements)."""
-        state = self._bucket(num_decoding)
+        """The incumbent limit (the one used between re-measurements); for a bucket that has
+        not decoded yet, the one it would start from (it is not created: see `_new_bucket`)."""
+        bound = concurrency_bucket(num_decoding)
+        state = self._buckets.get(bound) or self._new_bucket(bound)
         return state.arms[state.incumbent].n_max
 
     def summary(self) -> dict:
@@ -389,15 +391,20 @@ class SpecTuner:
         return self._buckets[bound]
 
     def _new_bucket(self, bound: int) -> BucketState:
-        """The first bucket starts from the untuned setting (the engine's own, largest limit)
-        and measures; later ones start from the nearest bucket's choice and only re-measure.
-        (A batch filling up or draining passes through every smaller bucket for a few dozen
-        steps: measuring plain in each of them cost the chain ~5% at c=8.) Goodput is not
-        inherited: it scales with the number of sequences."""
+        """The first bucket that decodes starts from the untuned setting (the engine's own,
+        largest limit), warms up and measures; later ones start from the nearest such
+        bucket's choice and only re-measure. (A batch filling up or draining passes through
+        every smaller bucket for a few dozen steps: measuring plain in each of them cost the
+        chain ~5% at c=8.) Goodput is not inherited: it scales with the number of sequences.
+        Only buckets that decoded pass their choice on: bucket 8 once inherited from a bucket
+        2 that had only served steps with prompt chunks at the start of a c=8 run, so it
+        skipped its warm-up, probed plain at its 9th step and switched the chain off at its
+        45th, before the chain had learned the text (mt_bench, one run in three)."""
         state = BucketState([ArmStats(n) for n in self.grid], incumbent=len(self.grid) - 1,
                             explore_interval=self.config.explore_every)
-        if self._buckets:
-            nearest = min(self._buckets, key=lambda b: abs(math.log2(b / bound)))
+        stepped = [b for b, s in self._buckets.items() if s.steps > 0]
+        if stepped:
+            nearest = min(stepped, key=lambda b: abs(math.log2(b / bound)))
             state.incumbent, state.measuring = self._buckets[nearest].incumbent, False
             state.next_explore = self.config.explore_every
         return state

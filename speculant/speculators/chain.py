@@ -264,6 +264,35 @@ class SpeculatorChain:
                 winners[seq_id] = best
         return winners
 
+    def shadow(self, requests: list[DraftRequest]) -> None:
+        """A round where nothing is verified (the tuner decodes plain): the model-free
+        speculators still propose, and their proposals are scored against the committed tokens
+        as a round's losers are, so each speculator's context and record follow the text
+        through plain steps. (Blind through them, the chain met a probe of drafting with the
+        contexts of the step before the switch: on mt_bench at c=8, switched off in a dry
+        spell, 3 of 4 probes over 90 steps verified nothing while the same text drafted at
+        other runs' pace committed 1.7 tokens per sequence per step.) Model drafters are not
+        asked: they cost time per position; their silence goes on counting (`_silence`)."""
+        for r in requests:
+            state = self._seqs[r.seq_id]
+            state.silent_steps = _silence(state, len(r.token_ids))
+            state.draft_pos = len(r.token_ids)
+            state.proposers, state.losers, state.winner = (), (), None
+        for name, spec in self.speculators.items():
+            mine = [r for r in requests if name in self._seqs[r.seq_id].types]
+            if spec.is_model_based or not mine:
+                continue
+            with self._timed(name, "draft"):
+                drafts = spec.draft(mine)
+            for r in mine:
+                state, d = self._seqs[r.seq_id], drafts.get(r.seq_id)
+                if d is None or len(d) == 0:
+                    state.context[name] = NO_PROPOSAL
+                    continue
+                d.source = name
+                state.losers += (d,)
+                self.stats[name].num_proposals += 1
+
     def _budget_model_drafts(self, name: str, requests: list[DraftRequest], cost_per_token: float,
                              seconds_per_token: float, rival: dict[int, float]) -> list[DraftRequest]:
         """A model drafter costs time per drafted position whether or not its draft wins: cap

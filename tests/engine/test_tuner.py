@@ -218,6 +218,34 @@ def test_engine_names_the_sequence_that_decodes_alone():
     assert (2, None) in seen and all(a is None for n, a in seen if n == 2)
 
 
+def test_plain_steps_chosen_by_the_tuner_are_shadow_rounds(default_engine):
+    """Where the tuner decodes plain, the chain's model-free speculators still propose for every
+    decoding sequence (scored, never verified), at the engine's draft limit; a request that
+    asked for no drafts (n_max 0) is left alone, and the output is plain's."""
+    engine = Engine(model="default", spec_type=["ngram_mod", "suffix"], spec_tune=True,
+                    num_threads=TEST_THREADS, kv_cache_tokens=8192, spec_n_max=6)
+    engine.tuner.choose = lambda num_decoding, alone=None: 0
+    shadowed, drafted = [], []
+    shadow, draft = engine.chain.shadow, engine.chain.draft
+    engine.chain.shadow = lambda requests: shadowed.append(requests) or shadow(requests)
+    engine.chain.draft = lambda requests, *a: drafted.append(requests) or draft(requests, *a)
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content":
+        "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the dog sat on the log."}])
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tuned = engine.run_to_completion([prompt, prompt], params)
+    assert not drafted and len(shadowed) >= 20
+    assert {len(r) for r in shadowed[:8]} == {2} and all(q.params.n_max == 6 for q in shadowed[0])
+    assert sum(engine.chain.stats[n].num_proposals for n in ("ngram_mod", "suffix")) > 0
+    assert all(s.spec.num_drafts == 0 for s in tuned)
+    plain = engine.run_to_completion([prompt], SamplingParams(max_tokens=24, temperature=0.0,
+                                                              ignore_eos=True, spec=SpecParams(enabled=False)))
+    assert tuned[0].output_ids == tuned[1].output_ids == plain[0].output_ids
+    shadowed.clear()
+    engine.run_to_completion([prompt], SamplingParams(max_tokens=8, temperature=0.0,
+                                                      spec=SpecParams(n_max=0)))
+    assert not shadowed
+
+
 def test_tuned_outputs_equal_plain(default_engine):
     """The tuner changes how much is drafted, never what is emitted."""
     engine = Engine(model="default", spec_type=["ngram_mod", "suffix"], spec_tune=True,
@@ -375,3 +403,13 @@ def test_plain_needs_a_smaller_lead_than_a_draft_to_take_over(drafting, switched
         tuner.observe(1, 1, 1.0 / (drafting if n else 100))
     assert (tuner.summary()["1"]["n_max"] == 0) == switched_off
     assert (choices[-100:].count(0) > 90) == switched_off
+
+
+def test_a_bucket_that_never_decoded_passes_nothing_on():
+    """Steps with prompt chunks only ask for a bucket's best limit: that bucket is not made,
+    so the first bucket that decodes still warms up and measures as a fresh tuner's does."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=12), max_n=16)
+    assert tuner.best(2) == 16 and tuner.best(6) == 16  # prompt chunks in these steps
+    choices = run_bandit(tuner, lambda n: 100 if n else 101, steps=16, num_decoding=8)
+    assert choices[:12] == [16] * 12 and 0 in choices[12:]  # warm-up, then plain is measured
+    assert tuner.summary().keys() == {"8"}

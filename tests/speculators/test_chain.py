@@ -379,6 +379,43 @@ def test_silence_counts_the_steps_between_rounds():
             pos += 1
 
 
+def test_shadow_rounds_keep_a_model_free_drafter_current_through_plain_steps():
+    """The tuner decodes plain for a while; the text turns copyable meanwhile. A chain whose
+    model-free drafter proposed in those steps (shadow rounds, scored, nothing verified) has a
+    draft verified at the first drafting step after them; a chain blind through them still prices the
+    drafter by its failures from before and verifies nothing then."""
+    from speculant.speculators.base import CommittedTokens
+
+    text = list(range(100, 600))
+    firsts = {}
+    for shadowed in (True, False):
+        copier = Copier("copy", text)
+        chain = SpeculatorChain([copier], probe_interval=1000)
+        chain.begin(0, text[:10], ("copy",))
+        assert run_like_the_engine(chain, text, 10, 12)[-1] == 0  # priced out by its junk
+        copier.wrong = False
+        pos, verified = 22, chain.stats["copy"].num_drafts
+        for _ in range(6):  # plain steps
+            if shadowed:
+                assert chain.shadow([DraftRequest(0, text[:pos], DraftParams(n_max=8))]) is None
+            chain.process([CommittedTokens(0, pos - 1, text[pos - 1:pos], text[pos])])
+            pos += 1
+        assert chain.stats["copy"].num_drafts == verified  # shadow proposals: not verified
+        firsts[shadowed] = run_like_the_engine(chain, text, pos, 1)[0]
+        if shadowed:
+            assert chain.stats["copy"].num_scored >= 6
+    assert firsts[False] == 0 and firsts[True] >= 2
+
+
+def test_a_shadow_round_asks_no_model_drafter():
+    model = ModelCopier("model", list(range(100, 200)))
+    chain = SpeculatorChain([model], probe_interval=1)
+    chain.begin(0, list(range(100, 110)), ("model",))
+    for n in range(110, 130):
+        chain.shadow([DraftRequest(0, list(range(100, n)), DraftParams(n_max=8))])
+    assert model.asked == []
+
+
 def test_probe_interval_zero_verifies_every_proposal():
     """No back-off at all: even a drafter that always fails is verified every round."""
     chain = SpeculatorChain([Fixed("bad", [9, 9, 9, 9])], probe_interval=0)
