@@ -391,7 +391,7 @@ class Engine:
             elif self._tuned_n_max == 0 and seq.params.spec.n_max is None:
                 watched.append(DraftRequest(seq.seq_id, seq.token_ids,
                                             self._draft_params(seq, self.config.spec_n_max)))
-        if watched:
+        if watched and self.tuner.shadow_due(len(decoding)):
             self._shadow(watched)
         if not requests:
             return {}
@@ -404,9 +404,9 @@ class Engine:
             return {}
 
     def _shadow(self, requests: list[DraftRequest]) -> None:
-        """The tuner decodes plain this step: the chain's model-free speculators still propose
-        for it, unverified (`SpeculatorChain.shadow`), so that a later probe of drafting meets
-        speculators that followed the text."""
+        """The tuner decodes plain this step and asks for a shadow round (`SpecTuner.shadow_due`):
+        the chain's model-free speculators still propose, unverified (`SpeculatorChain.shadow`),
+        so that a later probe of drafting meets speculators that followed the text."""
         try:
             self.chain.shadow([r for r in requests if r.params.n_max > 0])
         except Exception:  # a faulty speculator costs speed, never correctness or the engine

@@ -219,12 +219,14 @@ def test_engine_names_the_sequence_that_decodes_alone():
 
 
 def test_plain_steps_chosen_by_the_tuner_are_shadow_rounds(default_engine):
-    """Where the tuner decodes plain, the chain's model-free speculators still propose for every
-    decoding sequence (scored, never verified), at the engine's draft limit; a request that
-    asked for no drafts (n_max 0) is left alone, and the output is plain's."""
+    """Where the tuner decodes plain and asks for a shadow round, the chain's model-free
+    speculators still propose for every decoding sequence (scored, never verified), at the
+    engine's draft limit; a request that asked for no drafts (n_max 0) is left alone, and the
+    output is plain's."""
     engine = Engine(model="default", spec_type=["ngram_mod", "suffix"], spec_tune=True,
                     num_threads=TEST_THREADS, kv_cache_tokens=8192, spec_n_max=6)
     engine.tuner.choose = lambda num_decoding, alone=None: 0
+    engine.tuner.shadow_due = lambda num_decoding: True  # its cadence: tested on the tuner
     shadowed, drafted = [], []
     shadow, draft = engine.chain.shadow, engine.chain.draft
     engine.chain.shadow = lambda requests: shadowed.append(requests) or shadow(requests)
@@ -413,3 +415,27 @@ def test_a_bucket_that_never_decoded_passes_nothing_on():
     choices = run_bandit(tuner, lambda n: 100 if n else 101, steps=16, num_decoding=8)
     assert choices[:12] == [16] * 12 and 0 in choices[12:]  # warm-up, then plain is measured
     assert tuner.summary().keys() == {"8"}
+
+
+def test_shadow_rounds_come_every_few_plain_steps_and_before_each_probe():
+    """Under a plain incumbent, one step in SHADOW_EVERY and the step before each probe of
+    drafting are shadow rounds; while drafting is the incumbent, none."""
+    from speculant.engine.tuner import SHADOW_EVERY
+
+    tuner = SpecTuner(TunerConfig(warmup_steps=0), max_n=16)
+    assert not tuner.shadow_due(1)  # no bucket yet
+    due, probes = [], []
+    for step in range(300):
+        n = tuner.choose(1)
+        if n == 0 and tuner.best(1) == 0:
+            due.append(tuner.shadow_due(1))
+        elif n > 0 and tuner.best(1) == 0 and due:
+            probes.append(due[-1])  # the step before this probe
+        tuner.observe(1, 4 if n else 1, 1.0 if n else 0.1)  # plain is far ahead
+    assert tuner.best(1) == 0 and probes and all(probes)
+    assert SHADOW_EVERY * (sum(due) - len(probes)) <= len(due) + SHADOW_EVERY
+    assert sum(due) < len(due) / 2
+    tuner = SpecTuner(TunerConfig(warmup_steps=0), max_n=16)
+    run_bandit(tuner, lambda n: 200 if n else 100, steps=100)
+    assert tuner.best(1) == 16 and not tuner.shadow_due(1)
+
