@@ -88,6 +88,16 @@ STALE_WEIGHT = 0.25
 # before each probe of drafting, so the probe meets speculators that followed the text. Every
 # plain step a shadow round cost the chain ~0.6 ms of a 15 ms step at c=8 (2 threads, Xeon).
 SHADOW_EVERY = 4
+# Under a plain incumbent, a drafting arm that has gained tokens (`LOW_GAIN`) sees its
+# comparison fade with the steps since it was last probed (weight exp(-steps / this)):
+# drafting's worth changes with the text and with what the speculators have learned (the
+# suffix tree grows over a run), plain's does not. Forgotten only per probe, the chain switched
+# off at the 53rd step of a c=8 mt_bench run (where it measured 0.90x then) was probed 7 times
+# in the next 300 steps at 0.90-1.19x and never came back, while the runs that kept it drafted
+# 1.65x plain's tokens per step. Synthetic (tests/engine/test_tuner.py): drafting at 0.85x for
+# 150 steps, then 1.4x, is back after 52 / 63 / 73 / 604 steps with horizons 64 / 128 / 256 /
+# none, and drafting steadily at 0.9x is probed 111 / 44 / 21 / 2 times in 2,000 steps.
+EVIDENCE_HORIZON = 256
 
 
 @dataclass(slots=True)
@@ -331,6 +341,7 @@ class SpecTuner:
                 index = min(unmeasured, key=lambda i: (arms[i].n_max != 0, arms[i].pulls, i))
         elif state.steps >= state.next_explore:
             index = self._explore(state)
+            self._fade(state, state.arms[index])
         else:
             index = state.incumbent
         state.current = index
@@ -510,10 +521,24 @@ class SpecTuner:
     def _after_probe(self, state: BucketState, arm: ArmStats) -> None:
         """A re-measured arm far behind the incumbent is probed half as often again: a probe of
         a losing draft model is costly (it catches up on every sequence's tokens since its last
-        draft), as the shipped draft on chat at c=8."""
+        draft), as the shipped draft on chat at c=8. One that may now beat the incumbent is
+        measured again soon."""
         if arm.compared and arm.speedup < 1 - 2 * self.config.margin:
             state.explore_interval = min(2 * state.explore_interval,
                                          self.config.max_explore_every)
+        elif self._upper(arm) > 1 + self._margin(arm, state):
+            # the probe left it open (it may beat the incumbent): measured again at the base
+            # interval, not at the doubled one its pick set (a chain probed at step 189 at 1.17x
+            # plain, upper bound 1.66, had its next probe set for step 701)
+            state.explore_interval = self.config.explore_every
+            state.next_explore = min(state.next_explore, state.steps + state.explore_interval)
+
+    def _fade(self, state: BucketState, arm: ArmStats) -> None:
+        """Before a drafting arm is probed under a plain incumbent, its old comparison counts
+        less the longer ago it was made (`EVIDENCE_HORIZON`)."""
+        if arm.n_max > 0 and state.arms[state.incumbent].n_max == 0 and arm.last_pull >= 0 \
+                and state.drafting_gain is not None and state.drafting_gain >= LOW_GAIN:
+            arm.discount(math.exp(-(state.steps - arm.last_pull) / EVIDENCE_HORIZON))
 
     def _upper(self, arm: ArmStats) -> float:
         """How fast, relative to the incumbent, `arm` might still be: its measured ratio plus

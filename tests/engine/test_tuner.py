@@ -439,3 +439,13 @@ def test_shadow_rounds_come_every_few_plain_steps_and_before_each_probe():
     run_bandit(tuner, lambda n: 200 if n else 100, steps=100)
     assert tuner.best(1) == 16 and not tuner.shadow_due(1)
 
+
+
+def test_drafting_switched_off_early_comes_back_when_the_text_turns():
+    """Drafting loses (0.85x) for the first 150 steps, then wins (1.4x): under plain, its old
+    comparison fades with the steps since each probe, so it is back on within 250 steps."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=0), max_n=16)
+    run_bandit(tuner, lambda n: 85 if n else 100, steps=150)
+    assert tuner.best(1) == 0
+    choices = run_bandit(tuner, lambda n: 140 if n else 100, steps=250)
+    assert tuner.best(1) == 16 and choices[-20:].count(16) >= 18
