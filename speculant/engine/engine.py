@@ -382,16 +382,17 @@ class Engine:
     def _propose(self, decoding: list[Sequence]) -> dict[int, Draft]:
         self.chain.round_catch_up_seconds = 0.0
         requests, watched = [], []
+        shadow = self._tuned_n_max == 0 and self.tuner.shadow_due(len(decoding))
         for seq in decoding:
             if not seq.spec_types:
                 continue
             params = self._draft_params(seq)
             if params.n_max > 0:
                 requests.append(DraftRequest(seq.seq_id, seq.token_ids, params))
-            elif self._tuned_n_max == 0 and seq.params.spec.n_max is None:
+            elif shadow and seq.params.spec.n_max is None:  # the tuner's plain step
                 watched.append(DraftRequest(seq.seq_id, seq.token_ids,
                                             self._draft_params(seq, self.config.spec_n_max)))
-        if watched and self.tuner.shadow_due(len(decoding)):
+        if watched:
             self._shadow(watched)
         if not requests:
             return {}

@@ -215,10 +215,7 @@ class SpeculatorChain:
         if self._last_round is not None:
             self._round_seconds += min(now - self._last_round, MAX_ROUND_GAP_S)
         self._last_round = now
-        for r in requests:  # this round's step is silent until a draft of it is verified
-            state = self._seqs[r.seq_id]
-            state.silent_steps = _silence(state, len(r.token_ids))
-            state.draft_pos = len(r.token_ids)
+        self._start_round(requests)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
@@ -273,10 +270,9 @@ class SpeculatorChain:
         spell, 3 of 4 probes over 90 steps verified nothing while the same text drafted at
         other runs' pace committed 1.7 tokens per sequence per step.) Model drafters are not
         asked: they cost time per position; their silence goes on counting (`_silence`)."""
+        self._start_round(requests)
         for r in requests:
             state = self._seqs[r.seq_id]
-            state.silent_steps = _silence(state, len(r.token_ids))
-            state.draft_pos = len(r.token_ids)
             state.proposers, state.losers, state.winner = (), (), None
         for name, spec in self.speculators.items():
             mine = [r for r in requests if name in self._seqs[r.seq_id].types]
@@ -292,6 +288,14 @@ class SpeculatorChain:
                 d.source = name
                 state.losers += (d,)
                 self.stats[name].num_proposals += 1
+
+    def _start_round(self, requests: list[DraftRequest]) -> None:
+        """A round drafts after each request's history: its step is silent until a draft of it
+        is verified (`_silence`)."""
+        for r in requests:
+            state = self._seqs[r.seq_id]
+            state.silent_steps = _silence(state, len(r.token_ids))
+            state.draft_pos = len(r.token_ids)
 
     def _budget_model_drafts(self, name: str, requests: list[DraftRequest], cost_per_token: float,
                              seconds_per_token: float, rival: dict[int, float]) -> list[DraftRequest]:
