@@ -386,12 +386,14 @@ class Engine:
         for seq in decoding:
             if not seq.spec_types:
                 continue
+            if self._n_max(seq.params) == 0:  # plain this step (the tuner's or the request's)
+                if shadow and seq.params.spec.n_max is None:  # the tuner's: a shadow round
+                    watched.append(DraftRequest(seq.seq_id, seq.token_ids,
+                                                self._draft_params(seq, self.config.spec_n_max)))
+                continue
             params = self._draft_params(seq)
             if params.n_max > 0:
                 requests.append(DraftRequest(seq.seq_id, seq.token_ids, params))
-            elif shadow and seq.params.spec.n_max is None:  # the tuner's plain step
-                watched.append(DraftRequest(seq.seq_id, seq.token_ids,
-                                            self._draft_params(seq, self.config.spec_n_max)))
         if watched:
             self._shadow(watched)
         if not requests:

@@ -82,6 +82,14 @@ LOW_GAIN = 0.1
 # ... averaged over the bucket's drafting steps (the last ~500 of them): the chain's gains come
 # in bursts, and a 50-step average dipped under LOW_GAIN between them (qa at c=8: switched off)
 GAIN_SMOOTHING = 0.002
+# Drafting that gains nothing at all (fewer accepted tokens per sequence per step than this,
+# over its last ~`NO_GAIN_STEPS` drafting steps, at least that many seen) commits exactly what
+# plain decoding commits, at a cost: plain takes over at once, whatever the clock says. The
+# chain prices a drafter like that out at nearly every step, so a drafting step cost only
+# ~0.1-0.3 ms more than a plain one (c=8, 12 ms steps), 1-3% that the tuner's noisy paired
+# comparison never resolved: the 4-layer draft at c=8 kept drafting on qa, 0.96x plain.
+NO_GAIN = 0.02
+NO_GAIN_STEPS = 32
 STALE_WEIGHT = 0.25
 # While plain decoding is the incumbent, one plain step in this many is a shadow round (the
 # model-free speculators propose unverified, `SpeculatorChain.shadow`), and so is the step
@@ -236,6 +244,9 @@ class BucketState:
     # accepted tokens per sequence per drafting step, a moving average (None before one)
     drafting_gain: float | None = None
     num_drafting_steps: int = 0
+    # the same gain over the last ~NO_GAIN_STEPS drafting steps since the bucket (re)started
+    recent_gain: float = 0.0
+    num_recent_steps: int = 0
     start_step: int = 0  # `steps` when this bucket's measuring began (a restart: see `choose`)
     alone: int | None = None  # bucket 1: the sequence that decoded alone in its last step
 
@@ -375,6 +386,9 @@ class SpecTuner:
             weight = max(1.0 / state.num_drafting_steps, GAIN_SMOOTHING)
             state.drafting_gain = gain if state.drafting_gain is None else \
                 state.drafting_gain + weight * (gain - state.drafting_gain)
+            state.num_recent_steps += 1
+            recent = max(1.0 / state.num_recent_steps, 1.0 / NO_GAIN_STEPS)
+            state.recent_gain += recent * (gain - state.recent_gain)
         state.steps += 1
         if not state.measuring:
             if arm is incumbent:
@@ -462,8 +476,8 @@ class SpecTuner:
         candidates = [i for i, a in enumerate(arms)
                       if i != state.incumbent and a.compared and a.pulls >= min_pulls]
         plain = arms[0]  # arm 0: the smallest limit
-        if state.incumbent != 0 and plain.compared and plain.pulls >= DECISIVE_PROBES and \
-                plain.speedup > DECISIVE_GAP:
+        if state.incumbent != 0 and plain.compared and (_gains_nothing(state) or (
+                plain.pulls >= DECISIVE_PROBES and plain.speedup > DECISIVE_GAP)):
             self._switch(state, 0)
             return
         if not candidates:
@@ -575,6 +589,11 @@ class SpecTuner:
         state.next_explore = state.steps + state.explore_interval
         state.explore_interval = min(2 * state.explore_interval, self.config.max_explore_every)
         return index
+
+
+def _gains_nothing(state: BucketState) -> bool:
+    """Whether drafting has accepted (almost) nothing over its recent steps (`NO_GAIN`)."""
+    return state.num_recent_steps >= NO_GAIN_STEPS and state.recent_gain < NO_GAIN
 
 
 def _speedups_over_plain(state: BucketState) -> dict[str, float]:

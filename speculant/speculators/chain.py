@@ -45,6 +45,7 @@ from speculant.speculators.calibration import (
     SeqCalibration,
     calibrated_rates,
     record_judged,
+    value_of_first,
 )
 from speculant.speculators.counters import AcceptanceCounters, total
 from speculant.speculators.base import (
@@ -80,6 +81,12 @@ PROBE_TIME_SHARE = 0.01
 # first rounds of the 4-layer draft took 0.13-0.21 s of a 6.4 s translation run (3%), mostly
 # to learn that it does not pay there.
 FIRST_READS_PER_ROUND = 2
+# ... and at most this many sequences per round get a shadow draft; the others stay due and go
+# in later rounds. While the tuner decodes plain, every sequence of a c=8 batch fell due between
+# two of its probes of drafting, and each probe then re-read 8 windows with the 4-layer draft
+# (8 x 64 rows, ~25 ms, two decode steps): 7 such calls were 1.8% of a mt_bench run where the
+# draft was never verified (0.955x plain with the tuner).
+SHADOW_DRAFTS_PER_ROUND = 2
 MAX_ROUND_GAP_S = 1.0
 
 
@@ -308,13 +315,15 @@ class SpeculatorChain:
         priced by what its confident tokens gain, and the draft runs while the product of its
         probabilities still pays for one more position (`p_min_run`)."""
         draft_cost = self._draft_seconds[name] / seconds_per_token if seconds_per_token > 0 else 0.0
-        evidence = total(self._evidence[name])  # every context, every sequence
         cal = self._calibration.get(name)
-        out, num_first_reads = [], 0
+        first = None if cal is None else cal.first_rates()
+        # every context, every sequence (needed only while first tokens do not price it yet)
+        evidence = total(self._evidence[name]) if first is None else None
+        out, num_first_reads, num_shadows = [], 0, 0
         for r in requests:
             state = self._seqs[r.seq_id]
-            value = None if cal is None else cal.value_of_first(
-                cost_per_token + max(0.0, rival[r.seq_id]), state.calib[name].scale)
+            value = None if first is None else value_of_first(
+                first, cost_per_token + max(0.0, rival[r.seq_id]), state.calib[name].scale)
             run_floor = 0.0
             if value is not None:
                 n = r.params.n_max if value > draft_cost else 0
@@ -331,7 +340,9 @@ class SpeculatorChain:
             every = state.probe_every.get(name, self.probe_interval)
             window = PROBE_CONTEXT_TOKENS if value is None else 0  # a first ask: not priced yet
             if n == 0 and state.silent_steps > every and rival[r.seq_id] <= 0 \
+                    and (num_shadows < SHADOW_DRAFTS_PER_ROUND or self.probe_interval == 0) \
                     and self._may_probe(name, seconds_per_token):
+                num_shadows += 1
                 n, window = 1, PROBE_CONTEXT_TOKENS  # a shadow draft: the silence count
                 state.silent_steps = 1  # restarts at this (silent) step, and the next one
                 # comes twice as late (measured: one every 16 rounds cost eagle3 6% of a c=8

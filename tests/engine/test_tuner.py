@@ -396,15 +396,32 @@ def test_bursty_drafting_that_loses_is_still_switched_off():
 @pytest.mark.parametrize("drafting, switched_off", [(96, True), (99, False)])
 def test_plain_needs_a_smaller_lead_than_a_draft_to_take_over(drafting, switched_off):
     """Plain decoding is the safe choice: 3-4% ahead of a drafting incumbent whose drafts gain
-    nothing it takes over (below the 5% a draft limit needs), 1% ahead it does not."""
+    little (one accepted token in 20 steps) it takes over (below the 5% a draft limit needs),
+    1% ahead it does not."""
     tuner = SpecTuner(TunerConfig(), max_n=16)
     choices = []
-    for _ in range(600):  # one token a step, drafting or not: only the step time differs
+    for step in range(600):  # goodput `drafting` tok/s drafting, 100 plain
         n = tuner.choose(1)
         choices.append(n)
-        tuner.observe(1, 1, 1.0 / (drafting if n else 100))
+        tokens = 2 if n and step % 20 == 0 else 1
+        tuner.observe(1, tokens, tokens / (drafting if n else 100))
     assert (tuner.summary()["1"]["n_max"] == 0) == switched_off
     assert (choices[-100:].count(0) > 90) == switched_off
+
+
+@pytest.mark.parametrize("num_decoding", [1, 8])
+def test_drafting_that_gains_nothing_gives_way_to_plain_even_when_as_fast(num_decoding):
+    """Drafts never accepted: drafting commits what plain commits, at a cost too small for
+    the clock to tell (here none at all, measured as fast as plain). Plain takes over right
+    after the warm-up and its first measurement, and drafting is then only re-measured."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    choices = []
+    for _ in range(300):  # one token per sequence a step, drafting or not, in the same time
+        choices.append(tuner.choose(num_decoding))
+        tuner.observe(num_decoding, num_decoding, 0.01)
+    assert choices[:33] == [16] * 32 + [0]  # the warm-up, then plain's first measurement...
+    assert tuner.best(num_decoding) == 0 and choices[33:41] == [0] * 8  # ...takes over
+    assert choices[41:].count(0) >= 0.85 * len(choices[41:])  # drafting only re-measured
 
 
 def test_a_bucket_that_never_decoded_passes_nothing_on():

@@ -352,6 +352,49 @@ def test_a_priced_out_model_drafter_is_shadow_probed_then_wins_again():
     assert chain.stats["model"].num_drafts > verified and lengths[-1] >= 2
 
 
+def test_a_round_shadow_drafts_a_few_sequences_and_the_others_later():
+    """Eight sequences all due for a shadow draft of a priced-out model drafter (the tuner
+    decoded plain for 40 steps): a round asks it for at most SHADOW_DRAFTS_PER_ROUND of them
+    (each re-reads a window: all eight at once cost two decode steps of the 4-layer draft), and
+    the others go in the next rounds, so every sequence is still probed."""
+    from speculant.speculators.base import CommittedTokens
+    from speculant.speculators.chain import SHADOW_DRAFTS_PER_ROUND
+
+    class Recording(ModelCopier):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.rounds = []
+
+        def draft(self, requests):
+            self.rounds.append(sorted(r.seq_id for r in requests))
+            return super().draft(requests)
+
+    text = list(range(1000, 3000))
+    model = Recording("model", text)
+    chain = SpeculatorChain([model], probe_interval=4)
+    chain.begin(0, text[:10], ("model",))
+    run_like_the_engine(chain, text, 10, 16)  # its junk drafts priced it out
+    seqs = range(1, 9)
+    for s in seqs:
+        chain.begin(s, text[:30], ("model",))
+    model.rounds.clear()
+    pos = 30
+    assert chain.draft([DraftRequest(s, text[:pos], DraftParams(n_max=8)) for s in seqs],
+                       0.3) == {} and model.rounds == []  # priced out, none due yet
+    for _ in range(40):  # plain steps: every sequence falls due
+        chain.process([CommittedTokens(s, pos - 1, text[pos - 1:pos], text[pos]) for s in seqs])
+        pos += 1
+    probed = set()
+    for _ in range(8 // SHADOW_DRAFTS_PER_ROUND):
+        drafts = chain.draft([DraftRequest(s, text[:pos], DraftParams(n_max=8)) for s in seqs], 0.3)
+        assert drafts == {}  # shadow drafts are scored, never verified
+        assert 0 < len(model.rounds[-1]) <= SHADOW_DRAFTS_PER_ROUND
+        probed.update(model.rounds[-1])
+        chain.process([CommittedTokens(s, pos - 1, text[pos - 1:pos], text[pos]) for s in seqs])
+        pos += 1
+    assert probed == set(seqs)
+
+
 def test_silence_counts_the_steps_between_rounds():
     """Rounds only every 10th step (the tuner decodes plain in between: nothing is drafted, the
     committed tokens are still processed): a priced-out model drafter's shadow draft is due
