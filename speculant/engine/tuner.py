@@ -106,6 +106,10 @@ SHADOW_EVERY = 4
 # 150 steps, then 1.4x, is back after 52 / 63 / 73 / 604 steps with horizons 64 / 128 / 256 /
 # none, and drafting steadily at 0.9x is probed 111 / 44 / 21 / 2 times in 2,000 steps.
 EVIDENCE_HORIZON = 256
+# ... and a probe of such an arm that gains tokens and measures this much ahead of its record
+# shows that the text turned: the old record then counts `STALE_WEIGHT` (`SpecTuner._turned`).
+# The chain's probes in its turn on qa at c=8 read 1.25-1.30x plain against a record of 0.98.
+TURN_LEAD = 1.2
 
 
 @dataclass(slots=True)
@@ -378,7 +382,10 @@ class SpecTuner:
             seconds = max(seconds - catch_up_seconds, 0.1 * seconds)
             ref_token_s = incumbent.recent.token_s
             if ref_token_s is not None:
-                arm.compare(tokens, seconds, tokens * ref_token_s, self.config.smoothing)
+                ref_s = tokens * ref_token_s
+                if self._turned(state, arm, tokens / num_decoding - 1.0, ref_s / seconds):
+                    arm.discount(STALE_WEIGHT)
+                arm.compare(tokens, seconds, ref_s, self.config.smoothing)
         arm.observe(tokens, seconds, self.config.smoothing, state.steps)
         if arm.n_max > 0:
             state.num_drafting_steps += 1
@@ -546,6 +553,17 @@ class SpecTuner:
             # plain, upper bound 1.66, had its next probe set for step 701)
             state.explore_interval = self.config.explore_every
             state.next_explore = min(state.next_explore, state.steps + state.explore_interval)
+
+    def _turned(self, state: BucketState, arm: ArmStats, gain: float, ratio: float) -> bool:
+        """Whether a probe of drafting under a plain incumbent shows that the text turned: it
+        gained tokens (`LOW_GAIN` per sequence) and measured far ahead of the arm's record
+        (`TURN_LEAD`). Its old comparison then counts `STALE_WEIGHT` as much, the mirror of
+        `_discount_stale`. Without it, the chain switched off in its first 60 steps of a c=8
+        qa run (gain 0.07, 0.93x plain then) carried 14 probes' worth of that record, and its
+        later probes committing 2-3x plain's tokens at 1.25-1.30x plain's goodput moved it
+        0.03 each: off for 150 steps, 1.03x plain against 1.10x untuned."""
+        return arm.n_max > 0 and state.arms[state.incumbent].n_max == 0 and arm.compared \
+            and gain >= LOW_GAIN and ratio > TURN_LEAD * arm.speedup
 
     def _fade(self, state: BucketState, arm: ArmStats) -> None:
         """Before a drafting arm is probed under a plain incumbent, its old comparison counts

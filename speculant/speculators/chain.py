@@ -132,7 +132,8 @@ class _SeqState:
     probe_every: dict[str, int] = field(default_factory=dict)
     # per model drafter: this sequence's record against the drafter's calibration
     calib: dict[str, SeqCalibration] = field(default_factory=dict)
-    read_by: set[str] = field(default_factory=set)  # model drafters asked about it so far
+    # per model drafter asked about it so far: the history length it was last asked at
+    read_by: dict[str, int] = field(default_factory=dict)
 
 
 class SpeculatorChain:
@@ -338,7 +339,13 @@ class SpeculatorChain:
                     num_first_reads += 1  # a first ask, not priced yet: a few per round
                     n = n if num_first_reads <= FIRST_READS_PER_ROUND else 0
             every = state.probe_every.get(name, self.probe_interval)
-            window = PROBE_CONTEXT_TOKENS if value is None else 0  # a first ask: not priced yet
+            # a first ask (not priced yet), or one after the drafter missed more of the history
+            # than a window since it last read it (the tuner decoded plain meanwhile), re-reads
+            # only the window. A priced first read of a new sequence still reads its prompt
+            # (the draft pays on code edits by copying from it).
+            stale = name in state.read_by and \
+                len(r.token_ids) - state.read_by[name] > PROBE_CONTEXT_TOKENS
+            window = PROBE_CONTEXT_TOKENS if value is None or stale else 0
             if n == 0 and state.silent_steps > every and rival[r.seq_id] <= 0 \
                     and (num_shadows < SHADOW_DRAFTS_PER_ROUND or self.probe_interval == 0) \
                     and self._may_probe(name, seconds_per_token):
@@ -349,7 +356,7 @@ class SpeculatorChain:
                 # run where it never paid)
                 state.probe_every[name] = min(2 * every, MAX_PROBE_INTERVAL)
             if n > 0:
-                state.read_by.add(name)
+                state.read_by[name] = len(r.token_ids)
                 out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
                     n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min,
                     p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window)))

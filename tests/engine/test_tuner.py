@@ -424,6 +424,27 @@ def test_drafting_that_gains_nothing_gives_way_to_plain_even_when_as_fast(num_de
     assert choices[41:].count(0) >= 0.85 * len(choices[41:])  # drafting only re-measured
 
 
+def test_a_chain_switched_off_while_learning_comes_back_when_its_probes_gain():
+    """c=8: drafting first gains little (0.06 tokens per sequence per step) at 0.92x plain and
+    is switched off; then the text turns and its probes commit 18 tokens where plain commits 8,
+    at 1.27x plain's goodput. Its record of ~14 probes at 0.92x counts a quarter after such a
+    probe (`TURN_LEAD`), so it is back within 100 steps (231 with the record kept whole)."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    choices = []
+    for step in range(450):
+        n = tuner.choose(8)
+        choices.append(n)
+        if n == 0:
+            tuner.observe(8, 8, 0.010)
+        elif step < 150:
+            tuner.observe(8, 9 if step % 2 else 8, 0.0115)
+        else:
+            tuner.observe(8, 18, 0.0177)
+    assert choices[100:150].count(0) > 40  # switched off while it gained little
+    back = next(i for i in range(150, 450) if choices[i:i + 20] == [16] * 20)
+    assert back < 250
+
+
 def test_a_bucket_that_never_decoded_passes_nothing_on():
     """Steps with prompt chunks only ask for a bucket's best limit: that bucket is not made,
     so the first bucket that decodes still warms up and measures as a fresh tuner's does."""

@@ -131,3 +131,31 @@ def test_an_over_confident_drafter_is_priced_out_by_what_it_shows():
     lengths = drive(chain, text, 10, 40)
     assert lengths[0] > 0 and max(lengths[-20:]) == 0
     assert chain.stats["model"].num_drafts <= 12
+
+
+def test_a_priced_drafter_rereads_only_a_window_of_a_history_it_missed():
+    """A priced model drafter asked again after 100 plain steps of a sequence (the tuner decoded
+    plain) re-reads only the last PROBE_CONTEXT_TOKENS of it, not all it missed; its next ask
+    continues from there, and a new sequence's first priced ask still reads its whole prompt."""
+    from speculant.speculators.base import CommittedTokens
+    from speculant.speculators.chain import PROBE_CONTEXT_TOKENS
+
+    text = list(range(2000, 4000))
+    model = ConfidentModel("model", text, lambda pos: (0.95, True))
+    chain = SpeculatorChain([model], probe_interval=1000)
+    chain.begin(0, text[:10], ("model",))
+    drive(chain, text, 10, 20)
+    assert model.asked[-1].context_tokens == 0  # priced and current: its own context
+    pos = 10 + chain.stats["model"].num_accepted_tokens + 20  # where drive left seq 0
+    for _ in range(100):  # plain steps
+        chain.process([CommittedTokens(0, pos - 1, text[pos - 1:pos], text[pos])])
+        pos += 1
+    assert chain.draft([DraftRequest(0, text[:pos], DraftParams(n_max=4))], 0.3)
+    assert model.asked[-1].context_tokens == PROBE_CONTEXT_TOKENS
+    chain.process([CommittedTokens(0, pos - 1, text[pos - 1:pos + 4], text[pos + 4])])
+    pos += 5
+    chain.draft([DraftRequest(0, text[:pos], DraftParams(n_max=4))], 0.3)
+    assert model.asked[-1].context_tokens == 0
+    chain.begin(1, text[:300], ("model",))
+    chain.draft([DraftRequest(1, text[:300], DraftParams(n_max=4))], 0.3)
+    assert model.asked[-1].context_tokens == 0
