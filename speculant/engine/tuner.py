@@ -547,7 +547,7 @@ class SpecTuner:
         if arm.compared and arm.speedup < 1 - 2 * self.config.margin:
             state.explore_interval = min(2 * state.explore_interval,
                                          self.config.max_explore_every)
-        elif self._upper(arm) > 1 + self._margin(arm, state):
+        elif self._open(arm, state, self._upper(arm)):
             # the probe left it open (it may beat the incumbent): measured again at the base
             # interval, not at the doubled one its pick set (a chain probed at step 189 at 1.17x
             # plain, upper bound 1.66, had its next probe set for step 701)
@@ -572,6 +572,14 @@ class SpecTuner:
                 and state.drafting_gain is not None and state.drafting_gain >= LOW_GAIN:
             arm.discount(math.exp(-(state.steps - arm.last_pull) / EVIDENCE_HORIZON))
 
+    def _open(self, arm: ArmStats, state: BucketState, upper: float) -> bool:
+        """Whether `arm` (upper bound `upper`) might still beat the incumbent by the margin.
+        Drafting that gains nothing (`NO_GAIN`) is not, however its noisy timing reads: it
+        cannot beat plain until a probe gains tokens (which lifts `recent_gain`). Open, it was
+        probed every 8 steps, each probe a call of the model drafter's due shadow drafts."""
+        return upper > 1 + self._margin(arm, state) and \
+            not (arm.n_max > 0 and _gains_nothing(state))
+
     def _upper(self, arm: ArmStats) -> float:
         """How fast, relative to the incumbent, `arm` might still be: its measured ratio plus
         `confidence` standard errors."""
@@ -589,7 +597,7 @@ class SpecTuner:
         arms = state.arms
         others = [i for i in range(len(arms)) if i != state.incumbent] or [state.incumbent]
         upper = {i: self._upper(arms[i]) for i in others}
-        open_arms = [i for i in others if upper[i] > 1 + self._margin(arms[i], state)]
+        open_arms = [i for i in others if self._open(arms[i], state, upper[i])]
         if open_arms:
             index = max(open_arms, key=upper.get)
             arm = arms[index]

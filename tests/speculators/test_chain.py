@@ -514,15 +514,20 @@ class Hopeless(Fixed):
                 for r in requests}
 
 
-def run_sequences(chain, num_seqs, num_rounds, seconds_per_token, text, clock):
+def run_sequences(chain, num_seqs, num_rounds, seconds_per_token, text, clock, others_s=0.0,
+                  report_steps=False):
     """`num_seqs` sequences decoding `text` one token a round, each step taking
     `seconds_per_token` per sequence of the clock (nothing is verified, the drafter is never
-    right); a sequence ends after 100-280 tokens and a new one begins."""
+    right); a sequence ends after 100-280 tokens and a new one begins. `others_s`: clock time
+    of other engines between two steps (an interleaved bench); `report_steps`: the step's time
+    is reported to the chain as an engine does (`observe_step`)."""
     from speculant.speculators.base import CommittedTokens
 
     pos, next_id = {}, 0
     for _ in range(num_rounds):
-        clock.now += seconds_per_token * num_seqs  # the target's step
+        clock.now += seconds_per_token * num_seqs + others_s  # the target's step, others' turns
+        if report_steps:
+            chain.observe_step(seconds_per_token * num_seqs)
         while len(pos) < num_seqs:
             chain.begin(next_id, text[:10], ("model",))
             pos[next_id], next_id = 10, next_id + 1
@@ -559,6 +564,26 @@ def test_shadow_probes_stay_within_their_share_of_decoding_time():
     decoding_s = 1000 * 8 * 0.0026 + spent[0.0026]  # steps and probes: the time between rounds
     assert 0 < spent[0.0026] <= PROBE_TIME_SHARE * decoding_s + 8 * 0.012  # + one round's
     assert spent[0.0] > 3 * spent[0.0026]  # per-sequence doubling alone: several times more
+
+
+def test_the_shadow_budget_counts_the_engines_own_steps_not_other_engines_turns():
+    """Interleaved with four other engines (4x its step time on the clock between its steps),
+    a chain told its steps' time keeps shadow drafts within PROBE_TIME_SHARE of its *own*
+    decoding time; counting the clock it spends several times that."""
+    from speculant.speculators.chain import PROBE_TIME_SHARE
+
+    text = list(range(100, 400))
+    spent = {}
+    for report in (True, False):
+        clock = FakeClock()
+        model = Hopeless("model", clock, seconds_per_ask=0.012)
+        chain = SpeculatorChain([model], clock=clock)
+        step_s, num_rounds = 8 * 0.0026, 1000
+        run_sequences(chain, 8, num_rounds, 0.0026, text, clock, others_s=4 * step_s,
+                      report_steps=report)
+        spent[report] = clock.now - num_rounds * 5 * step_s
+    assert 0 < spent[True] <= PROBE_TIME_SHARE * (1000 * 8 * 0.0026 + spent[True]) + 8 * 0.012
+    assert spent[False] > 2.5 * spent[True]
 
 
 def test_an_unpriced_model_drafter_is_first_asked_for_a_few_new_sequences_a_round():
