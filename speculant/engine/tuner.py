@@ -228,6 +228,15 @@ class ArmStats:
         self.weight, self.weight_sq = other.weight, other.weight_sq
         self.ref_sq, self.seconds_sq, self.cross = other.seconds_sq, other.ref_sq, other.cross
 
+    def inherit(self, other: "ArmStats", factor: float) -> None:
+        """`other`'s comparison (the same arm against the same incumbent, in a neighbouring
+        bucket), its probes counting `factor` as much. Its reference goodput is not carried
+        over: goodput scales with the number of sequences, the ratio roughly does not."""
+        self.probe_seconds, self.ref_seconds = other.probe_seconds, other.ref_seconds
+        self.weight, self.weight_sq = other.weight, other.weight_sq
+        self.ref_sq, self.seconds_sq, self.cross = other.ref_sq, other.seconds_sq, other.cross
+        self.discount(factor)
+
     def rescale_reference(self, factor: float) -> None:
         """The reference became `factor` times as slow per token (a new incumbent)."""
         self.ref_seconds *= factor
@@ -450,9 +459,14 @@ class SpecTuner:
                             explore_interval=self.config.explore_every)
         stepped = [b for b, s in self._buckets.items() if s.steps > 0]
         if stepped:
-            nearest = min(stepped, key=lambda b: abs(math.log2(b / bound)))
-            state.incumbent, state.measuring = self._buckets[nearest].incumbent, False
-            state.next_explore = self.config.explore_every
+            nearest = self._buckets[min(stepped, key=lambda b: abs(math.log2(b / bound)))]
+            state.incumbent, state.measuring = nearest.incumbent, False
+            for arm, known in zip(state.arms, nearest.arms):
+                if known.compared:
+                    arm.inherit(known, STALE_WEIGHT)
+            others = [a for i, a in enumerate(state.arms) if i != state.incumbent]
+            behind = all(a.compared and a.speedup < 1.0 for a in others)
+            state.next_explore = self.config.explore_every * (BEHIND_SLOWDOWN if behind else 1)
         return state
 
     def _restart(self, old: BucketState) -> BucketState:
@@ -543,16 +557,25 @@ class SpecTuner:
         """A re-measured arm far behind the incumbent is probed half as often again: a probe of
         a losing draft model is costly (it catches up on every sequence's tokens since its last
         draft), as the shipped draft on chat at c=8. One that may now beat the incumbent is
-        measured again soon."""
+        measured again soon: at the base interval while it measures ahead, `BEHIND_SLOWDOWN`
+        times that while it measures behind (as `_explore` schedules it)."""
         if arm.compared and arm.speedup < 1 - 2 * self.config.margin:
             state.explore_interval = min(2 * state.explore_interval,
                                          self.config.max_explore_every)
-        elif self._open(arm, state, self._upper(arm)):
-            # the probe left it open (it may beat the incumbent): measured again at the base
-            # interval, not at the doubled one its pick set (a chain probed at step 189 at 1.17x
-            # plain, upper bound 1.66, had its next probe set for step 701)
-            state.explore_interval = self.config.explore_every
-            state.next_explore = min(state.next_explore, state.steps + state.explore_interval)
+        if not self._open(arm, state, self._upper(arm)):
+            return
+        base = self.config.explore_every
+        if arm.compared and arm.speedup < 1.0:
+            # not sooner than that: the first probe of an arm not compared yet was scheduled at
+            # the base interval, and kept there, plain was probed every 8 steps under a 1.4x
+            # chain (5 plain steps in the 82 decode-only steps of code_edit at c=8)
+            state.next_explore = max(state.next_explore, state.steps + base * BEHIND_SLOWDOWN)
+        else:
+            # measured again at the base interval, not at the doubled one its pick set (a chain
+            # probed at step 189 at 1.17x plain, upper bound 1.66, had its next probe set for
+            # step 701)
+            state.explore_interval = base
+            state.next_explore = min(state.next_explore, state.steps + base)
 
     def _turned(self, state: BucketState, arm: ArmStats, gain: float, ratio: float) -> bool:
         """Whether a probe of drafting under a plain incumbent shows that the text turned: it

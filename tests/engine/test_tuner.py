@@ -1,4 +1,6 @@
 """The online tuner: a bandit over draft limits scored by measured goodput."""
+import itertools
+
 import pytest
 
 from conftest import TEST_THREADS
@@ -453,6 +455,39 @@ def test_a_bucket_that_never_decoded_passes_nothing_on():
     choices = run_bandit(tuner, lambda n: 100 if n else 101, steps=16, num_decoding=8)
     assert choices[:12] == [16] * 12 and 0 in choices[12:]  # warm-up, then plain is measured
     assert tuner.summary().keys() == {"8"}
+
+
+def test_a_new_bucket_inherits_its_neighbours_comparison_and_probes_a_losing_plain_later():
+    """Bucket 8 measured plain at 0.7x the chain: bucket 4 (the batch draining) starts from
+    that comparison, discounted, so its first plain probe comes after 32 steps, not 8."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=4), max_n=16)
+    run_bandit(tuner, lambda n: 140 if n else 100, steps=60, num_decoding=8)
+    assert tuner.best(8) == 16
+    choices = run_bandit(tuner, lambda n: 140 if n else 100, steps=40, num_decoding=4)
+    assert choices.index(0) == 32 and choices.count(0) == 1
+    inherited = tuner.summary()["4"]["speedup"]
+    assert inherited["16"] == pytest.approx(1.4, rel=0.02)
+
+
+def test_an_open_arm_measured_behind_is_probed_rarer():
+    """A bucket inheriting from one still warming up (nothing compared yet) probes plain at its
+    8th step; plain measures behind a bursty 1.4x chain but one probe cannot close it: the next
+    probe comes 32 steps later, not 8 (code_edit at c=8: 5 plain steps in 82 decode-only
+    steps of buckets 2 and 1)."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    burst = itertools.cycle([2, 3, 1, 9, 4, 2, 6, 1])  # tokens per sequence per drafting step
+    for _ in range(14):  # bucket 4: its warm-up only
+        tuner.choose(4)
+        tuner.observe(4, 4 * next(burst), 0.040)
+    plain_steps = []
+    for step in range(60):
+        if tuner.choose(2) == 0:
+            plain_steps.append(step)
+            tuner.observe(2, 2, 0.012)
+        else:
+            tuner.observe(2, 2 * next(burst), 0.030)
+    assert plain_steps[0] == 8 and plain_steps[1] - plain_steps[0] >= 32
+    assert tuner.best(2) == 16
 
 
 def test_shadow_rounds_come_every_few_plain_steps_and_before_each_probe():
