@@ -62,10 +62,13 @@ PRIOR_STEPS = 2.0  # pseudo-steps of the assumed per-step noise in an arm's vari
 # steps): recent enough that a probe meets the same context and machine state, long enough
 # that one bursty drafting step does not set it.
 LOCAL_SMOOTHING = 0.125
-# When the incumbent's recent goodput falls this far below what it was when another arm was
-# compared with it, that comparison is stale (the text changed: a copy-heavy stretch ended, a
-# prompt with nothing to copy began): it counts `STALE_WEIGHT` as much, so the arm is measured
-# again soon (its uncertainty grows) and the choice follows the workload.
+# When the incumbent's long-run goodput (`ArmStats.goodput`, its last ~50 steps) falls this far
+# below what it was when another arm was compared with it, that comparison is stale (the text
+# changed: a copy-heavy stretch ended, a prompt with nothing to copy began): it counts
+# `STALE_WEIGHT` as much, so the arm is measured again soon (its uncertainty grows) and the
+# choice follows the workload. Judged on its 8-step goodput instead, a few one-token steps after
+# a copy hit read as a new text: on summarization at c=1 plain's record was discounted every
+# ~100 steps and plain probed every 32 (76 plain steps in 2,236; replayed: 25).
 STALE_DROP = 0.25
 BEHIND_SLOWDOWN = 4  # an undecided arm measured behind the incumbent is probed this much rarer
 # ... and one measured past the switching line, short only of confidence, this much more often:
@@ -153,7 +156,7 @@ class ArmStats:
     # paired sums against the incumbent's recent goodput (empty for the incumbent itself)
     probe_seconds: float = 0.0
     ref_seconds: float = 0.0
-    last_ref_goodput: float = 0.0  # the incumbent's recent goodput at the last probe
+    last_ref_goodput: float = 0.0  # the incumbent's long-run goodput at the last probe
     weight: float = 0.0  # sum of the probes' weights (each enters at 1, then decays)
     weight_sq: float = 0.0  # sum of their squares (the effective number of probes is w^2 / w2)
     ref_sq: float = 0.0  # weighted sums of ref_s^2, s^2 and ref_s * s per probe
@@ -200,7 +203,6 @@ class ArmStats:
         keep = 1 - smoothing
         self.probe_seconds = keep * self.probe_seconds + seconds
         self.ref_seconds = keep * self.ref_seconds + ref_s
-        self.last_ref_goodput = tokens / ref_s if ref_s > 0 else 0.0
         self.weight = keep * self.weight + 1.0
         self.weight_sq = keep * keep * self.weight_sq + 1.0
         self.ref_sq = keep * self.ref_sq + ref_s * ref_s
@@ -395,6 +397,7 @@ class SpecTuner:
                 if self._turned(state, arm, tokens / num_decoding - 1.0, ref_s / seconds):
                     arm.discount(STALE_WEIGHT)
                 arm.compare(tokens, seconds, ref_s, self.config.smoothing)
+                arm.last_ref_goodput = incumbent.goodput
         arm.observe(tokens, seconds, self.config.smoothing, state.steps)
         if arm.n_max > 0:
             state.num_drafting_steps += 1
@@ -494,12 +497,22 @@ class SpecTuner:
         """The best-measured arm replaces the incumbent only when it leads it clearly (`_leads`);
         a change brings re-measurement back to its shortest interval."""
         arms, min_pulls = state.arms, self.config.min_pulls
+        gains_nothing = _gains_nothing(state)
+        # drafting that gains nothing does not take over, whatever its record says: plain took
+        # over for that reason, and a drafting arm let back at once by its clock record flapped
+        # every other step (c=8 mt_bench: switched off 32 times in 374 steps, 0.97x plain)
         candidates = [i for i, a in enumerate(arms)
-                      if i != state.incumbent and a.compared and a.pulls >= min_pulls]
+                      if i != state.incumbent and a.compared and a.pulls >= min_pulls
+                      and not (a.n_max > 0 and gains_nothing)]
         plain = arms[0]  # arm 0: the smallest limit
-        if state.incumbent != 0 and plain.compared and (_gains_nothing(state) or (
+        if state.incumbent != 0 and plain.compared and (gains_nothing or (
                 plain.pulls >= DECISIVE_PROBES and plain.speedup > DECISIVE_GAP)):
             self._switch(state, 0)
+            if gains_nothing:
+                # its record was made while it gained tokens: it comes back on fresh probes
+                # that gain again and lead (`_leads`), not on one probe that lifts the gain
+                for arm in arms[1:]:
+                    arm.forget_comparison()
             return
         if not candidates:
             return
@@ -542,14 +555,14 @@ class SpecTuner:
     def _discount_stale(self, state: BucketState) -> None:
         """Comparisons made when the incumbent was much faster than now count less, and those
         arms are due for re-measurement (see `STALE_DROP`)."""
-        token_s = state.arms[state.incumbent].recent.token_s
-        if not token_s:
+        goodput = state.arms[state.incumbent].goodput
+        if not goodput:
             return
         for i, arm in enumerate(state.arms):
             if i != state.incumbent and arm.compared and \
-                    1.0 / token_s < (1 - STALE_DROP) * arm.last_ref_goodput:
+                    goodput < (1 - STALE_DROP) * arm.last_ref_goodput:
                 arm.discount(STALE_WEIGHT)
-                arm.last_ref_goodput = 1.0 / token_s
+                arm.last_ref_goodput = goodput
                 state.explore_interval = self.config.explore_every
                 state.next_explore = min(state.next_explore, state.steps)
 
