@@ -159,10 +159,12 @@ class Eagle3Config:
             raise ValueError(f"eagle3 head: hidden_size {self.hidden_size} does not match the "
                              f"target's hidden size {target.hidden_size} (the head reads the "
                              f"target's embedding)")
-        if self.aux_layer_ids[0] < 1 or self.aux_layer_ids[-1] >= target.num_layers:
+        # id L (the last layer's output, before the final norm) is speculant's own extension:
+        # vLLM and SGLang capture layer inputs only, so such a head runs here and not there
+        if self.aux_layer_ids[0] < 1 or self.aux_layer_ids[-1] > target.num_layers:
             raise ValueError(f"eagle3 head: aux layer ids {list(self.aux_layer_ids)} do not fit "
                              f"a target of {target.num_layers} layers (valid: 1..."
-                             f"{target.num_layers - 1})")
+                             f"{target.num_layers})")
         if self.vocab_size != target.vocab_size:
             raise ValueError(f"eagle3 head: vocab_size {self.vocab_size} does not match the "
                              f"target's vocabulary size {target.vocab_size}")

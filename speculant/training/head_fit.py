@@ -98,13 +98,19 @@ def extend_vocab(kept: torch.Tensor, counts: torch.Tensor, size: int,
     return torch.cat([kept, torch.tensor(extra, dtype=torch.int64), fresh]).sort().values
 
 
-def warm_start(head, start, vocab_rows: tuple[str, ...]) -> dict:
+def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | None = None) -> dict:
     """Copy `start`'s parameters into `head` (same kind and shapes); parameters with one row per
     draft token (`vocab_rows`) are remapped by target id, rows of tokens `start` lacked keep
-    `head`'s own init. Returns counts for the recipe."""
-    if tuple(start.capture_layers) != tuple(head.capture_layers):
-        raise ValueError(f"train-head: --init-head reads target layers {start.capture_layers}, "
-                         f"this run's head reads {head.capture_layers} (see --aux-layers)")
+    `head`'s own init. Where the heads read different target layers, the parameter with one
+    column block per layer (`layer_columns`) is remapped by layer (`remap_layer_columns`).
+    Returns counts for the recipe."""
+    layers_old, layers_new = tuple(start.capture_layers), tuple(head.capture_layers)
+    info = {}
+    if layers_old != layers_new:
+        if layer_columns is None or not set(layers_old) & set(layers_new):
+            raise ValueError(f"train-head: --init-head reads target layers {list(layers_old)}, "
+                             f"this run's head reads {list(layers_new)} (see --aux-layers)")
+        info["layers_from"] = {"init_head": list(layers_old), "head": list(layers_new)}
     ids_new = head.draft_to_target(torch.arange(head.config.draft_vocab_size))
     ids_old = start.draft_to_target(torch.arange(start.config.draft_vocab_size))
     slot = torch.full((int(max(ids_new.max(), ids_old.max())) + 1,), -1, dtype=torch.int64)
@@ -116,12 +122,25 @@ def warm_start(head, start, vocab_rows: tuple[str, ...]) -> dict:
         for name, p in head.named_parameters():
             if name in vocab_rows:
                 p[kept] = old[name][src_rows[kept]].to(p.dtype)
+            elif name == layer_columns and layers_old != layers_new:
+                p.copy_(remap_layer_columns(old[name], layers_old, layers_new))
             elif tuple(old[name].shape) != tuple(p.shape):
                 raise ValueError(f"train-head: --init-head's {name} has shape "
                                  f"{list(old[name].shape)}, this head needs {list(p.shape)}")
             else:
                 p.copy_(old[name])
-    return {"kept_vocab_rows": int(kept.sum()), "new_vocab_rows": int((~kept).sum())}
+    return {"kept_vocab_rows": int(kept.sum()), "new_vocab_rows": int((~kept).sum()), **info}
+
+
+def remap_layer_columns(weight: torch.Tensor, layers_old, layers_new) -> torch.Tensor:
+    # weight [out, len(layers_old) * d]: column block i reads target layer layers_old[i]
+    """-> [out, len(layers_new) * d]: each layer both heads read keeps its block; a layer only
+    the new head reads starts at zero, so the warm-started head computes what `start` computed
+    (bar the layers it no longer reads) and training adds the new layer's contribution."""
+    d = weight.shape[1] // len(layers_old)
+    blocks = {layer: weight[:, i * d:(i + 1) * d] for i, layer in enumerate(layers_old)}
+    return torch.cat([blocks.get(layer, torch.zeros_like(weight[:, :d])) for layer in layers_new],
+                     dim=1)
 
 
 def quiet_rows(weight: torch.Tensor, new_rows: torch.Tensor, x: torch.Tensor,
@@ -228,7 +247,8 @@ class HeadFit:
         self.head = self.kind.new_head(cfg, tc, parts, ids)
         if start is not None:
             self.warm_info = {"from": cfg.init_head, **_recipe_summary(cfg.init_head),
-                              **warm_start(self.head, start, self.kind.vocab_rows)}
+                              **warm_start(self.head, start, self.kind.vocab_rows,
+                                            self.kind.layer_columns)}
             self._quiet_new_rows(start)
         self.label_head = parts.lm_head[ids].contiguous()  # [draft_vocab, d]
         self.layers = self.head.capture_layers

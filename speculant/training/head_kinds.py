@@ -71,6 +71,9 @@ class HeadKind(ABC):
 
     # parameters with one row per draft-vocabulary token (remapped, not copied, on a warm start)
     vocab_rows: tuple[str, ...] = ()
+    # the parameter whose columns are one block per captured target layer (remapped by layer on
+    # a warm start whose head reads other layers), or None
+    layer_columns: str | None = None
 
 
 class Eagle3Kind(HeadKind):
@@ -97,6 +100,7 @@ class Eagle3Kind(HeadKind):
         return Eagle3Head.load(path, target_config, parts.embed)
 
     vocab_rows = ("lm_head.weight",)
+    layer_columns = "fc.weight"
 
 
 class MtpKind(HeadKind):

@@ -136,6 +136,46 @@ def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
 
 
 @torch.inference_mode()
+def test_a_head_reading_four_layers_up_to_the_last_drafts_from_them(tmp_path, target_config):
+    """An EAGLE-3 head may read more than three layers and the last layer's output (aux id L,
+    speculant's extension): the engine captures all four, its first draft is the head's own
+    maths on them, and greedy output still equals plain."""
+    from speculant.llm import LLM
+
+    path = str(tmp_path / "head4")
+    aux = (2, 15, 27, target_config.num_layers)
+    Eagle3Head.random(target_config, torch.arange(0, target_config.vocab_size, 7), seed=3,
+                      aux_layer_ids=aux).save(path, dtype=torch.float32)
+    engine = Engine(model="default", spec_type=["eagle3"],
+                    spec_options={"eagle3": {"head": path, "kv_dtype": "float32"}},
+                    max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
+    probe = engine.speculator("eagle3")
+    assert probe.hidden_layers == (1, 14, 26, target_config.num_layers - 1)
+    engine.chain.probe_interval = 0
+    prompt = chats(engine, ["Name a colour."])[0]
+    drafted = []
+    original = probe.draft
+
+    def spy(requests):
+        out = original(requests)
+        drafted.extend((list(r.token_ids), out[r.seq_id].token_ids[0]) for r in requests
+                       if r.seq_id in out)
+        return out
+
+    probe.draft = spy
+    spec = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                       spec=SpecParams(n_max=2)))
+    probe.draft = original
+    plain = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                        spec=SpecParams(enabled=False)))
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert drafted, "the head never drafted"
+    history, first = drafted[0]
+    features = LLM.from_engine(engine).hidden_states(history[:-1], probe.hidden_layers)
+    assert first == reference_first_draft(probe.head, features, history)
+
+
+@torch.inference_mode()
 def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
     """Committed tokens only keep their features: the head runs no forward per step until
     PENDING_LIMIT entries wait (then one batched forward) or a draft is asked for, and the

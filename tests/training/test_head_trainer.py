@@ -270,6 +270,36 @@ def test_warm_start_remaps_vocabulary_rows_by_target_id():
         warm_start(other, start, ("lm_head.weight",))
 
 
+def test_warm_start_to_other_target_layers_remaps_the_fc_blocks():
+    """A head reading a fourth layer (here the last layer's output, aux id L) starts from one
+    reading three: the shared layers keep their fc column blocks and the new one starts at
+    zero, so it fuses the target's features exactly as the old head did; a head sharing no
+    layer with it is refused."""
+    from speculant.models.eagle3_head import Eagle3Head
+    from speculant.models.loader import load_model
+
+    config = load_model("default").config
+    d = config.hidden_size
+    start = Eagle3Head.random(config, [3, 10, 20], seed=1)  # aux 2, 15, 27: layers 1, 14, 26
+    head = Eagle3Head.random(config, [3, 10, 20], seed=2,
+                             aux_layer_ids=(2, 15, 27, config.num_layers))
+    info = warm_start(head, start, ("lm_head.weight",), "fc.weight")
+    assert info["layers_from"] == {"init_head": [1, 14, 26],
+                                   "head": [1, 14, 26, config.num_layers - 1]}
+    assert torch.equal(head.fc.weight[:, :3 * d], start.fc.weight)
+    assert not head.fc.weight[:, 3 * d:].any()
+    features = torch.randn(5, 4 * d)
+    torch.testing.assert_close(head.fuse(features), start.fuse(features[:, :3 * d]))
+    assert torch.equal(head.midlayer.mlp.down_proj.weight, start.midlayer.mlp.down_proj.weight)
+    moved = Eagle3Head.random(config, [3, 10, 20], seed=2, aux_layer_ids=(3, 15, 27))
+    warm_start(moved, start, ("lm_head.weight",), "fc.weight")  # layer 1 -> 2: a zero block
+    assert torch.equal(moved.fc.weight[:, d:], start.fc.weight[:, d:])
+    assert not moved.fc.weight[:, :d].any()
+    disjoint = Eagle3Head.random(config, [3, 10, 20], seed=2, aux_layer_ids=(3, 16, 28))
+    with pytest.raises(ValueError, match="reads target layers"):
+        warm_start(disjoint, start, ("lm_head.weight",), "fc.weight")
+
+
 @pytest.mark.parametrize("saved, wanted, refused", [
     ("mtp", "eagle3", True),
     ("eagle3", "mtp", True),
