@@ -551,7 +551,7 @@ def test_bursty_steps_do_not_make_a_settled_comparison_stale():
 def test_drafting_that_stops_gaining_is_switched_off_once_and_comes_back():
     """c=8: drafting pays 1.2x, then for 250 steps its drafts are never accepted (it commits
     what plain commits, 2% slower), then it pays again. Plain takes over once (`NO_GAIN`); the
-    drafting arm's old record (1.4x) does not bring it straight back while it still gains
+    drafting arm's old record (1.2x) does not bring it straight back while it still gains
     nothing: it did, and the two rules alternated every other step (75 switches off here; 32
     in 374 steps of mt_bench at c=8). Once its probes gain again it is back."""
     tuner = SpecTuner(TunerConfig(), max_n=16)

@@ -1,6 +1,8 @@
 """The feature drafters (eagle3, mtp): exact outputs with any head, the paged head equals the
 head's own causal maths, heads load from every supported layout, heads that do not fit are
 refused at load."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -100,6 +102,25 @@ def reference_first_draft(head, features: dict, token_ids: list[int]) -> int:
     return int(head.draft_to_target(torch.tensor(col)))
 
 
+@contextlib.contextmanager
+def first_drafts(probe):
+    """-> a list that collects (token ids, first draft token) per request `probe` drafts for."""
+    drafted = []
+    original = probe.draft
+
+    def spy(requests):
+        out = original(requests)
+        drafted.extend((list(r.token_ids), out[r.seq_id].token_ids[0]) for r in requests
+                       if r.seq_id in out)
+        return out
+
+    probe.draft = spy
+    try:
+        yield drafted
+    finally:
+        probe.draft = original
+
+
 @torch.inference_mode()
 def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
     """The first draft token after the prompt is the one the head's full-sequence forward
@@ -113,21 +134,9 @@ def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
     prompt = chats(engine, ["Name a colour."])[0]
     seq = engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0,
                                                     spec=SpecParams(n_max=1)))
-    drafted = []
-    original = probe.draft
-
-    def spy(requests):
-        out = original(requests)
-        drafted.extend((list(r.token_ids), out[r.seq_id].token_ids[0]) for r in requests
-                       if r.seq_id in out)
-        return out
-
-    probe.draft = spy
-    try:
+    with first_drafts(probe) as drafted:
         while engine.has_unfinished():
             engine.step()
-    finally:
-        probe.draft = original
     engine.release(seq)
     assert drafted, "the head never drafted"
     history, first = drafted[0]
@@ -153,19 +162,9 @@ def test_a_head_reading_four_layers_up_to_the_last_drafts_from_them(tmp_path, ta
     assert probe.hidden_layers == (1, 14, 26, target_config.num_layers - 1)
     engine.chain.probe_interval = 0
     prompt = chats(engine, ["Name a colour."])[0]
-    drafted = []
-    original = probe.draft
-
-    def spy(requests):
-        out = original(requests)
-        drafted.extend((list(r.token_ids), out[r.seq_id].token_ids[0]) for r in requests
-                       if r.seq_id in out)
-        return out
-
-    probe.draft = spy
-    spec = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
-                                                       spec=SpecParams(n_max=2)))
-    probe.draft = original
+    with first_drafts(probe) as drafted:
+        spec = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                           spec=SpecParams(n_max=2)))
     plain = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
                                                         spec=SpecParams(enabled=False)))
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
