@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from speculant.bench.options import (PeerSpec, check_args, is_tuned, parse_compare, parse_levels,
                                      parse_methods)
-from speculant.bench.report import PLAIN, RunResult, emit_report, now_iso
+from speculant.bench.report import PLAIN, RunResult, emit_report, now_iso, paired_speedup
 from speculant.speculators.counters import total
 
 BUILTIN_PROMPTS = [
@@ -289,8 +289,7 @@ def _num_identical(runs: list[Run], plain: Run) -> int:
 
 
 def _progress_line(r: RunResult, plain_runs: list[Run]) -> str:
-    base = statistics.median(p.decode_rate for p in plain_runs)
-    speedup = r.decode_tok_s / base if base else 0.0
+    speedup = paired_speedup(r.repeats_decode_tok_s, [round(p.decode_rate, 2) for p in plain_runs])
     same = "" if r.identical_to_plain is None else f", same {r.identical_to_plain}/{r.num_prompts}"
     flag = ", INTERFERENCE" if r.interference else ""
     return (f"{r.category} c={r.concurrency} {r.method}: {r.decode_tok_s:.1f} tok/s, "

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from speculant.bench.interleave import DEFAULT_TURN_SECONDS
-from speculant.bench.report import PLAIN
+from speculant.bench.report import PLAIN, TUNED_SUFFIX
 from speculant.engine.sampling_params import VERIFY_MODES
 
 
@@ -61,9 +61,6 @@ def add_bench_args(p) -> None:
 class PeerSpec:
     kind: str  # "hf" | "openai"
     url: str | None = None
-
-
-TUNED_SUFFIX = "+tuned"  # a method run with the online tuner (--tune-compare)
 
 
 def parse_methods(spec_type: str, tune_compare: bool = False) -> list[tuple[str, list[str]]]:

@@ -32,7 +32,13 @@ Result: one method on one category at one concurrency
   prefill_tok_s         prompt tokens / time of steps with a prompt chunk
   decode_tok_s          median over repeats            decode_tok_s_best  fastest repeat
   repeats_decode_tok_s  [float], every repeat          e2e_tok_s          generated / wall time
-  speedup               decode_tok_s / plain's at the same category and concurrency
+  speedup               over plain at the same category and concurrency: the median of the
+                        per-repeat ratios (repeat k of a method over repeat k of plain: the
+                        methods of one repeat ran side by side, so drift of a shared machine
+                        cancels in each ratio); decode_tok_s / plain's when repeats differ
+  repeats_speedup       [float], those per-repeat ratios (their spread is the noise of the run)
+  vs_untuned            METHOD+tuned only (--tune-compare): its paired speedup over METHOD run
+                        without the tuner (null otherwise)
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
   acceptance_rate       accepted / drafted tokens (0.0 without drafts)
   draft_time_share      engine time_draft_s / step time (draft + forward + verify); time_draft_s
@@ -87,6 +93,7 @@ from datetime import datetime
 
 SCHEMA = "speculant-bench/2"
 PLAIN = "plain"
+TUNED_SUFFIX = "+tuned"  # a method run with the online tuner (--tune-compare)
 
 
 @dataclass(slots=True)
@@ -107,6 +114,8 @@ class RunResult:
     repeats_decode_tok_s: list[float] = field(default_factory=list)
     decode_tok_s_best: float = 0.0
     speedup: float = 1.0
+    repeats_speedup: list[float] = field(default_factory=list)
+    vs_untuned: float | None = None
     num_steps: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -155,12 +164,39 @@ class PeerResult:
 
 # ---- the JSON document -----------------------------------------------------------------------
 
+def paired_ratios(rates: list[float], base_rates: list[float]) -> list[float]:
+    """Repeat k of a method over repeat k of its baseline (they ran at the same moments); empty
+    when the repeats do not pair up."""
+    if len(rates) != len(base_rates) or not all(b > 0 for b in base_rates):
+        return []
+    return [a / b for a, b in zip(rates, base_rates)]
+
+
+def paired_speedup(rates: list[float], base_rates: list[float]) -> float:
+    """The median paired ratio; with unpaired repeats the ratio of the medians."""
+    ratios = paired_ratios(rates, base_rates)
+    if ratios:
+        return statistics.median(ratios)
+    base = statistics.median(base_rates) if base_rates else 0.0
+    return statistics.median(rates) / base if rates and base else 0.0
+
+
 def fill_speedups(results: list[RunResult]) -> None:
     """Speedup of each result over plain at the same category and concurrency."""
     plain = {(r.category, r.concurrency): r for r in results if r.method == PLAIN}
     for r in results:
         base = plain.get((r.category, r.concurrency))
-        r.speedup = round(r.decode_tok_s / base.decode_tok_s, 3) if base and base.decode_tok_s else 0.0
+        if base is None:
+            r.speedup, r.repeats_speedup = 0.0, []
+            continue
+        r.speedup = round(paired_speedup(r.repeats_decode_tok_s, base.repeats_decode_tok_s), 3)
+        r.repeats_speedup = [round(x, 3) for x in
+                             paired_ratios(r.repeats_decode_tok_s, base.repeats_decode_tok_s)]
+    by_key = {(r.category, r.concurrency, r.method): r for r in results}
+    for r in results:
+        twin = by_key.get((r.category, r.concurrency, r.method.removesuffix(TUNED_SUFFIX)))
+        if r.method.endswith(TUNED_SUFFIX) and twin is not None:
+            r.vs_untuned = round(paired_speedup(r.repeats_decode_tok_s, twin.repeats_decode_tok_s), 3)
 
 
 def build_report(meta: dict, results: list[RunResult], peers: list[PeerResult]) -> dict:
@@ -292,6 +328,10 @@ def markdown_table(report: dict) -> str:
                      f"{r['mean_accepted_length']:.2f}", f"{r['acceptance_rate']:.2f}",
                      f"{100 * r['draft_time_share']:.1f}%", same, f"{r['prefill_tok_s']:.0f}",
                      "yes" if r["interference"] else ""])
+    if any(r.get("vs_untuned") is not None for r in report["results"]):
+        head.append("vs untuned")
+        for row, r in zip(rows, report["results"]):
+            row.append("—" if r.get("vs_untuned") is None else f"{r['vs_untuned']:.3f}x")
     return markdown(head, rows)
 
 

@@ -1,6 +1,7 @@
 """`speculant bench`: report building, interference detection, replay, peers and the CLI."""
 import json
 import random
+import statistics
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -30,7 +31,8 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "repeats_decode_tok_s", "e2e_tok_s", "speedup", "mean_accepted_length",
                "acceptance_rate", "draft_time_share", "identical_to_plain", "num_steps",
                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "interference",
-               "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost", "tuner"}
+               "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost", "tuner",
+               "repeats_speedup", "vs_untuned"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "interleave_s": 0.1, "peer_repeats": 1,
@@ -68,6 +70,34 @@ def test_report_speedups_and_best():
     assert report["summary"]["summarization"]["1"]["method"] == "suffix"
     assert report["summary"]["qa"]["8"]["speedup"] == 1.0
     assert report["by_method"]["suffix"]["1"]["identical_to_plain"] == 3
+
+
+def test_speedup_pairs_the_repeats_that_ran_side_by_side():
+    """Repeat k of a method is compared with repeat k of plain (the machine's drift cancels in
+    each ratio): a method 2% behind plain in every repeat reads 0.98x even when the medians of
+    the rates, taken from different repeats, would say 0.90x; the tuned twin is also compared
+    with its untuned method, pair by pair."""
+    def rated(method, rates):
+        r = result(method, "qa", 1, sorted(rates)[1])
+        r.repeats_decode_tok_s = rates
+        return r
+
+    plain = [100.0, 150.0, 200.0]
+    untuned = [98.0, 90.0, 196.0]  # 0.98, 0.60, 0.98 of plain
+    tuned = [99.0, 147.0, 198.0]  # 0.99, 0.98, 0.99
+    report = build_report(dict(META), [rated("plain", plain), rated("suffix", untuned),
+                                       rated("suffix+tuned", tuned)], [])
+    by = {r["method"]: r for r in report["results"]}
+    assert by["suffix+tuned"]["repeats_speedup"] == [0.99, 0.98, 0.99]
+    assert by["suffix+tuned"]["speedup"] == 0.99
+    assert by["suffix"]["speedup"] == 0.98
+    assert by["suffix+tuned"]["vs_untuned"] == pytest.approx(1.0102, abs=1e-3)
+    assert by["suffix"]["vs_untuned"] is None and by["plain"]["vs_untuned"] is None
+    assert "vs untuned" in markdown_table(report).splitlines()[0]
+    # repeats that do not pair up fall back to the ratio of the medians
+    report = build_report(dict(META), [rated("plain", plain), rated("suffix", untuned[:2])], [])
+    assert report["results"][1]["speedup"] == round(statistics.median(untuned[:2]) / 150.0, 3)
+    assert report["results"][1]["repeats_speedup"] == []
 
 
 def test_report_json_schema_keys():
