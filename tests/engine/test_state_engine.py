@@ -55,6 +55,9 @@ def test_greedy_speculative_equals_plain(folder, mode, batch):
     accepted and rejected draft tokens along the way."""
     plain = generate(engine(folder), batch, spec=False)
     eng = engine(folder, spec_ckpt_mode=mode, **SPEC)
+    # rows keep the prior's price: whether a draft is worth verifying then depends on the text
+    # only, not on how fast this machine ran the last steps (a fitted price once left 1 draft)
+    eng.cost.min_observations = 10**9
     assert eng.state_rounds.mode == mode
     assert generate(eng, batch, spec=True) == plain
     stats = {name: s for name, s in eng.speculator_stats().items()}
