@@ -117,12 +117,17 @@ def _compare(llm, dtype: str, ids: list[list[int]], refs: list[tuple], max_token
                         round(sum(prefixes) / len(prefixes), 1) if prefixes else 0.0)
 
 
-def prompt_logits(model, ids: list[int]):
-    """Our logits at every position of `ids` [T, V], in a KV cache of their own."""
+def prompt_logits(model, ids: list[int], kv_dtype=None):
+    """Our logits at every position of `ids` [T, V], in a KV cache of their own (float32, or
+    kv_dtype: an engine's gives, row for row, the logits its own steps compute, the kernels
+    being batch-invariant)."""
+    import torch
+
     from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 
     block_size = 16
-    cache = model.new_kv_cache(num_blocks=len(ids) // block_size + 1, block_size=block_size)
+    cache = model.new_kv_cache(num_blocks=len(ids) // block_size + 1, block_size=block_size,
+                               dtype=kv_dtype or torch.float32)
     cache.allocate(0)
     batch = build_forward_batch(cache, [SeqChunk(0, 0, ids, num_logits=len(ids))])
     return model.forward(batch, cache).logits

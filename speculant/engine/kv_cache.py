@@ -1,6 +1,7 @@
 """Paged KV cache shared by many sequences, with O(1) rollback.
 
-Memory layout, per layer: `k[layer]`, `v[layer]` are [num_blocks, block_size, num_kv_heads, head_dim].
+Memory layout, per layer: `v[layer]` is [num_blocks, block_size, num_kv_heads, head_dim], `k[layer]`
+is [num_blocks, num_kv_heads, head_dim, block_size] (transposed blocks: kernels/kv_layout.py).
 A sequence owns an ordered list of blocks (its block table); token at position p lives in block
 `table[p // block_size]`, row `p % block_size`. Entries are written at absolute positions, so
 rolling a sequence back to n tokens only lowers its length (and returns whole unused blocks to
@@ -9,6 +10,8 @@ the pool): rejected draft entries are simply beyond the length and get overwritt
 from __future__ import annotations
 
 import torch
+
+from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
 
 
 # Element types a cache can hold, by the name the CLI and configs use. float16 halves the memory
@@ -28,10 +31,11 @@ class KVCache:
                              f"got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        k_shape = k_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        v_shape = v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         # Uninitialised on purpose: entries beyond a sequence's length are never read.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [torch.empty(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.empty(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # Pop from the end: low block ids are handed out first, which keeps tests readable.
         self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}

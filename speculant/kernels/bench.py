@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from speculant.bench.timing import machine_info
 from speculant.kernels import PackedLinear, native_available, paged_attention
+from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
 from speculant.kernels.native import forced_kernel_path
 
 # (name, out_features, in_features, qtype) as SmolLM2-135M-Instruct Q4_1 GGUF runs them
@@ -100,9 +101,9 @@ def bench_attention(cfg: BenchConfig) -> dict:
     for m in cfg.row_counts:
         length = cfg.context + m
         num_blocks = -(-length // block_size)
-        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim)
-        k_cache = k_cache.to(getattr(torch, cfg.kv_dtype))
-        v_cache = torch.randn_like(k_cache)
+        dtype = getattr(torch, cfg.kv_dtype)
+        k_cache = torch.randn(k_cache_shape(num_blocks, block_size, kv_heads, head_dim)).to(dtype)
+        v_cache = torch.randn(v_cache_shape(num_blocks, block_size, kv_heads, head_dim)).to(dtype)
         tables = torch.randperm(num_blocks, dtype=torch.int32)[None]  # [1, num_blocks]
         q = torch.randn(m, heads, head_dim)
         seq = torch.zeros(m, dtype=torch.int32)

@@ -45,7 +45,7 @@ class RegisteredStack:
 def decoder_stack(
     h: torch.Tensor,  # [T, hidden] float32 embeddings; becomes the last layer's output
     stack: RegisteredStack,
-    k_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+    k_caches: list[torch.Tensor],  # per layer [num_blocks, num_kv_heads, head_dim, block_size]
     v_caches: list[torch.Tensor],
     cos: torch.Tensor,  # [max_positions, head_dim]
     sin: torch.Tensor,

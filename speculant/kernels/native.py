@@ -211,7 +211,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("speculant::rope_write_kv")
     def _(qkv, bias, q_norm, k_norm, eps, cos, sin, positions, k_cache, v_cache, slot_mapping,
           num_heads):
-        return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+        return qkv.new_empty(qkv.shape[0], num_heads, v_cache.shape[3])
 
     @torch.library.register_fake("speculant::decoder_stack")
     def _(h, stack, k_caches, v_caches, cos, sin, positions, slot_mapping, block_tables,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from speculant.kernels.kv_layout import write_kv
 from speculant.kernels.rowwise import rms_norm_reference, use_native
 
 
@@ -51,7 +52,7 @@ def rope_write_kv(
             qkv, bias, q_norm, k_norm, eps, cos, sin, positions, k_cache, v_cache, slot_mapping,
             num_heads)
     num_tokens = qkv.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
     if bias is not None:
         qkv = qkv + bias
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,
@@ -64,10 +65,7 @@ def rope_write_kv(
         k = rms_norm_reference(k, k_norm, eps)
     c = cos[positions].unsqueeze(1)  # [T, 1, head_dim]
     s = sin[positions].unsqueeze(1)
-    slots = slot_mapping.long()
     # an fp16 cache stores k and v rounded to nearest (ties to even), as the native path does
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slots, apply_rope(k, c, s).to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, slots, v.reshape(num_tokens, num_kv_heads, head_dim).to(v_cache.dtype))
+    write_kv(k_cache, v_cache, slot_mapping, apply_rope(k, c, s),
+             v.reshape(num_tokens, num_kv_heads, head_dim))
     return apply_rope(q, c, s).contiguous()

@@ -58,7 +58,8 @@ class PackedEagle3Layer:
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # embeds [T, d] token embeddings; hidden [T, d] fused feature or previous output;
-        # k_cache / v_cache [num_blocks, block_size, KV, hd], written at batch.slot_mapping
+        # k_cache [num_blocks, KV, hd, block_size] / v_cache [num_blocks, block_size, KV, hd]
+        # (kernels/kv_layout.py), written at batch.slot_mapping
         """-> h_out [T, d], the layer's output before the head's final norm."""
         eps, num_tokens = self.eps, embeds.shape[0]
         h = hidden.float().contiguous().clone()  # the residual carries the hidden

@@ -18,6 +18,7 @@ from speculant.engine.forward_batch import ForwardBatch
 from speculant.engine.kv_cache import KVCache
 from speculant.engine.state_cache import StateBatch, StepStates
 from speculant.kernels import paged_attention
+from speculant.kernels.kv_layout import write_kv
 from speculant.models.recurrence import causal_conv, conv_windows, gated_delta_rule, l2_normalize
 
 
@@ -93,9 +94,7 @@ class Attention:
         k = apply_rope(k, run.rope_cos, run.rope_sin)
         k_cache, v_cache = run.cache.k[self.kv_index], run.cache.v[self.kv_index]
         # written first, then attended over: each token sees its own K/V and its chunk's earlier ones
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        k_cache.view(flat).index_copy_(0, run.batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(flat).index_copy_(0, run.batch.slot_mapping, v.to(v_cache.dtype))
+        write_kv(k_cache, v_cache, run.batch.slot_mapping, k, v)
         b = run.batch
         attn = paged_attention(q, k_cache, v_cache, b.block_tables, b.token_seq, run.token_pos,
                                self.head_dim ** -0.5).reshape(num_tokens, -1)  # [T, H * hd]

@@ -15,6 +15,7 @@ from speculant.engine.forward_batch import ForwardBatch
 from speculant.kernels import (PackedLinear, add_rms_norm, native_available, paged_attention,
                                rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
 from speculant.kernels.decoder import RegisteredStack, decoder_stack
+from speculant.kernels.kv_layout import native_block_size
 from speculant.engine.kv_cache import KVCache
 from speculant.models.config import ModelConfig
 
@@ -120,7 +121,7 @@ class Model:
         # the residual stream [T, hidden], updated in place by every layer (hence the clones below)
         h = self.embed.embed(batch.token_ids).contiguous()
         wanted = sorted(set(batch.hidden_layers))
-        if self._stack is not None:
+        if self._stack is not None and native_block_size(cache.block_size):
             x, states = decoder_stack(
                 h, self._stack, cache.k, cache.v, self.rope_cos, self.rope_sin, batch.positions,
                 batch.slot_mapping, batch.block_tables, batch.token_seq, token_pos,

@@ -48,6 +48,7 @@ import torch
 from speculant.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError, KVCache
 from speculant.kernels import paged_attention
+from speculant.kernels.kv_layout import write_kv
 from speculant.models.packed_head import pack_linears, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, TargetView,
@@ -350,10 +351,7 @@ class FeatureDrafter(Speculator):
         q = head.apply_rope(q, batch.positions)  # [T, H, hd]
         k = head.apply_rope(k, batch.positions)  # [T, KV, hd]
         k_cache, v_cache = self.cache.k[0], self.cache.v[0]
-        flat_k = k_cache.view(-1, k.shape[1], k.shape[2])
-        flat_v = v_cache.view(-1, v.shape[1], v.shape[2])
-        flat_k[batch.slot_mapping] = k.to(k_cache.dtype)
-        flat_v[batch.slot_mapping] = v.to(v_cache.dtype)
+        write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
         attn = paged_attention(q.contiguous().float(), k_cache, v_cache, batch.block_tables,
                                batch.token_seq, batch.positions.to(torch.int32),
                                head.config.head_dim ** -0.5)  # [T, H, hd]

@@ -18,6 +18,7 @@ import torch
 
 from speculant.kernels import PackedLinear, native_available, paged_attention
 from speculant.kernels.native import forced_kernel_path, kernel_path, supported_kernel_paths
+from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 ALL_PATHS = ["avx2", "avx512_vnni", "amx_int8"]
@@ -189,8 +190,8 @@ def attention_batch(head_dim: int, cache_dtype: torch.dtype, num_tokens: int, se
     """A verification chunk of `num_tokens` tokens of sequence 0 at positions 590.. (the 256-position
     partitions split its context), then a decode token of sequence 1 at position 40; GQA 9:3."""
     g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(80, 16, 3, head_dim, generator=g).to(cache_dtype)
-    v_cache = torch.randn(80, 16, 3, head_dim, generator=g).to(cache_dtype)
+    k_cache = torch.randn(k_cache_shape(80, 16, 3, head_dim), generator=g).to(cache_dtype)
+    v_cache = torch.randn(v_cache_shape(80, 16, 3, head_dim), generator=g).to(cache_dtype)
     tables = torch.randperm(80, generator=g).to(torch.int32).view(2, 40)
     seq = torch.tensor([0] * num_tokens + [1], dtype=torch.int32)
     pos = torch.tensor(list(range(590, 590 + num_tokens)) + [40], dtype=torch.int32)
@@ -219,8 +220,8 @@ def test_wide_attention_matches_avx2_on_a_prefill(cache_dtype, wide_path):
     """A 40-token prompt from position 0: every context length 1..40, so short partitions (all
     scores possibly negative, padded to 8) and partial 16-position chunks."""
     g = torch.Generator().manual_seed(8)
-    k_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
-    v_cache = torch.randn(8, 16, 3, 64, generator=g).to(cache_dtype)
+    k_cache = torch.randn(k_cache_shape(8, 16, 3, 64), generator=g).to(cache_dtype)
+    v_cache = torch.randn(v_cache_shape(8, 16, 3, 64), generator=g).to(cache_dtype)
     tables = torch.randperm(8, generator=g).to(torch.int32)[None]
     q = torch.randn(40, 9, 64, generator=g)
     args = (q, k_cache, v_cache, tables, torch.zeros(40, dtype=torch.int32),

@@ -20,6 +20,7 @@ from speculant.kernels import (PackedLinear, add_rms_norm, ggml_blocks, native_a
                                paged_attention, rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
 from speculant.engine.forward_batch import SeqChunk
 from speculant.kernels.rope import apply_rope
+from speculant.kernels.kv_layout import gather_k, gather_v, k_cache_shape, v_cache_shape
 from speculant.kernels.rowwise import rms_norm_reference
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -228,13 +229,13 @@ def test_leading_dims_and_empty_batch():
 
 # ---- paged attention ---------------------------------------------------------------------------
 
-def make_paged_batch(head_dim: int = 64, block_size: int = 4, seed: int = 0):
+def make_paged_batch(head_dim: int = 64, block_size: int = 8, seed: int = 0):
     """Three sequences in a shared cache with shuffled, non-contiguous block tables, queried by
     a ragged batch: a 1-token decode, a 4-token verification chunk and a first prefill token."""
     g = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, num_blocks = 9, 3, 16
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(k_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=g)
+    v_cache = torch.randn(v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=g)
     blocks = torch.randperm(num_blocks, generator=g).tolist()
     tables = [blocks[0:2], blocks[2:6], blocks[6:7]]  # lengths 5, 13, 1 need 2, 4, 1 blocks
     width = max(len(t) for t in tables)
@@ -247,13 +248,13 @@ def make_paged_batch(head_dim: int = 64, block_size: int = 4, seed: int = 0):
 
 def reference_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale):
     """Token by token in fp64: gather the sequence's K/V, softmax over positions 0..pos."""
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    block_size, num_kv_heads = v_cache.shape[1], v_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty(q.shape, dtype=torch.float64)
     for t in range(q.shape[0]):
         table = block_tables[token_seq[t]].long()
         p = torch.arange(int(token_pos[t]) + 1)
-        k = k_cache[table[p // block_size], p % block_size].double()  # [L, Hkv, D]
+        k = k_cache[table[p // block_size], :, :, p % block_size].double()  # [L, Hkv, D]
         v = v_cache[table[p // block_size], p % block_size].double()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, Hq, D]
         probs = torch.softmax(torch.einsum("hd,lhd->hl", q[t].double(), k) * scale, dim=-1)
@@ -261,13 +262,28 @@ def reference_attention(q, k_cache, v_cache, block_tables, token_seq, token_pos,
     return out
 
 
-@pytest.mark.parametrize("head_dim, block_size", [(64, 4), (72, 16), (128, 4)])
+@pytest.mark.parametrize("head_dim, block_size", [(64, 8), (72, 16), (128, 32)])
 def test_paged_attention_matches_reference(head_dim, block_size, native):
     """Ragged batch, 3 sequences, GQA 9:3, shuffled block tables: within 1e-5 of fp64 maths."""
     args = make_paged_batch(head_dim, block_size)
     out = paged_attention(*args, native=native)
     assert out.shape == args[0].shape
     assert (out.double() - reference_attention(*args)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [4, 24])
+def test_paged_attention_block_sizes_the_native_kernel_cannot_take(block_size):
+    """Blocks of 4 (a score vector of 8 positions would cross them) or 24 (not dividing the
+    256-position partitions) run on the fallback by default and are refused when native is forced,
+    naming the reason."""
+    args = make_paged_batch(64, block_size)
+    out = paged_attention(*args)
+    assert (out.double() - reference_attention(*args)).abs().max().item() < 1e-5
+    if native_available():
+        with pytest.raises(RuntimeError, match="native paged_attention"):
+            paged_attention(*args, native=True)
+        with pytest.raises(RuntimeError, match="block_size must be a multiple of 8"):
+            torch.ops.speculant.paged_attention.default(*args)
 
 
 def test_paged_attention_batch_invariance():
@@ -291,8 +307,8 @@ def test_paged_attention_verification_chunk(num_heads, num_kv_heads, native):
     sequence, GQA groups of 3, 4, 1 and 7 heads: within 1e-5 of fp64 maths."""
     g = torch.Generator().manual_seed(5)
     head_dim, block_size, num_blocks = 64, 16, 24
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    k_cache = torch.randn(k_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=g)
+    v_cache = torch.randn(v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=g)
     blocks = torch.randperm(num_blocks, generator=g)
     tables = torch.stack([blocks[:12], blocks[12:]]).to(torch.int32)  # 192 positions each
     token_seq = torch.tensor([0] * 19 + [1], dtype=torch.int32)
@@ -309,8 +325,8 @@ def test_paged_attention_batch_and_thread_invariance():
     if not native_available():
         pytest.skip("native kernels unavailable here")
     g = torch.Generator().manual_seed(6)
-    k_cache = torch.randn(16, 16, 3, 64, generator=g)
-    v_cache = torch.randn(16, 16, 3, 64, generator=g)
+    k_cache = torch.randn(k_cache_shape(16, 16, 3, 64), generator=g)
+    v_cache = torch.randn(v_cache_shape(16, 16, 3, 64), generator=g)
     tables = torch.randperm(16, generator=g).to(torch.int32)[None]
     pos = torch.arange(200, 217, dtype=torch.int32)
     seq = torch.zeros(17, dtype=torch.int32)
@@ -357,7 +373,8 @@ def test_native_ops_pass_opcheck():
         (ops.add_rms_norm.default, (torch.randn(3, 64), torch.randn(3, 64), torch.randn(64), 1e-5)),
         (ops.silu_mul.default, (torch.randn(3, 64),)),
         (ops.rope_write_kv.default, (qkv, None, None, None, 1e-6, cos, sin, pos[:4].long(),
-                                     torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16), slots,
+                                     torch.zeros(k_cache_shape(8, 4, 2, 16)),
+                                     torch.zeros(v_cache_shape(8, 4, 2, 16)), slots,
                                      4)),
     ]
     for op, args in cases:
@@ -481,14 +498,14 @@ def test_rope_write_kv_matches_reference(variant, native):
     bias = torch.randn(qkv.shape[1], generator=g) if variant == "bias" else None
     q_norm = torch.randn(head_dim, generator=g) if variant == "qk_norm" else None
     k_norm = torch.randn(head_dim, generator=g) if variant == "qk_norm" else None
-    k_cache = torch.full((8, 4, num_kv_heads, head_dim), 7.0)
-    v_cache = torch.full((8, 4, num_kv_heads, head_dim), 7.0)
+    k_cache = torch.full(k_cache_shape(8, 4, num_kv_heads, head_dim), 7.0)
+    v_cache = torch.full(v_cache_shape(8, 4, num_kv_heads, head_dim), 7.0)
     q = rope_write_kv(qkv, bias, q_norm, k_norm, 1e-6, cos, sin, positions, k_cache, v_cache,
                       slots, num_heads, native=native)
     ref_q, ref_k, ref_v = rope_reference(qkv, bias, q_norm, k_norm, 1e-6, cos, sin, positions,
                                          num_heads, num_kv_heads, head_dim)
-    k_rows = k_cache.view(-1, num_kv_heads, head_dim)[slots]
-    v_rows = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    k_rows = gather_k(k_cache, slots, 4)
+    v_rows = gather_v(v_cache, slots)
     if variant == "qk_norm":
         assert rel_err(q, ref_q) < 1e-6 and rel_err(k_rows, ref_k) < 1e-6
     else:
@@ -496,8 +513,8 @@ def test_rope_write_kv_matches_reference(variant, native):
     assert torch.equal(bits(v_rows), bits(ref_v))
     untouched = torch.ones(32, dtype=torch.bool)
     untouched[slots] = False
-    assert (k_cache.view(32, -1)[untouched] == 7.0).all()
-    assert (v_cache.view(32, -1)[untouched] == 7.0).all()
+    assert (gather_k(k_cache, torch.arange(32)[untouched], 4) == 7.0).all()
+    assert (gather_v(v_cache, torch.arange(32)[untouched]) == 7.0).all()
 
 
 def test_rope_write_kv_batch_invariance():
@@ -506,7 +523,7 @@ def test_rope_write_kv_batch_invariance():
         pytest.skip("native kernels unavailable here")
     qkv, cos, sin, positions, slots = make_rope_batch()
     norm = torch.randn(16)
-    caches = [torch.zeros(8, 4, 2, 16) for _ in range(4)]
+    caches = [torch.zeros(shape(8, 4, 2, 16)) for shape in (k_cache_shape, v_cache_shape) * 2]
     batched = rope_write_kv(qkv, None, norm, norm, 1e-6, cos, sin, positions, caches[0],
                             caches[1], slots, 4)
     alone = torch.cat([rope_write_kv(qkv[i:i + 1], None, norm, norm, 1e-6, cos, sin,
@@ -521,9 +538,9 @@ def test_rope_write_kv_rejects_out_of_range_slots():
     if not native_available():
         pytest.skip("native kernels unavailable here")
     qkv, cos, sin, positions, slots = make_rope_batch()
-    cache = torch.zeros(8, 4, 2, 16)
     with pytest.raises(RuntimeError, match="slot 32 outside the cache"):
-        rope_write_kv(qkv, None, None, None, 1e-6, cos, sin, positions, cache, cache.clone(),
+        rope_write_kv(qkv, None, None, None, 1e-6, cos, sin, positions,
+                      torch.zeros(k_cache_shape(8, 4, 2, 16)), torch.zeros(v_cache_shape(8, 4, 2, 16)),
                       torch.tensor([0, 1, 2, 32]), 4)
 
 
@@ -568,7 +585,7 @@ def run_two_steps(model, chunks_per_step):
     """Prefill then decode/verify through the model; returns both steps' outputs."""
     from speculant.engine.forward_batch import build_forward_batch
 
-    cache = model.new_kv_cache(num_blocks=32, block_size=4)
+    cache = model.new_kv_cache(num_blocks=32, block_size=8)
     outputs = []
     for chunks in chunks_per_step:
         for c in chunks:
@@ -637,8 +654,8 @@ def test_paged_attention_long_contexts_cross_partitions(native):
     bit-identical alone, in the batch and with 1 or 2 threads."""
     g = torch.Generator().manual_seed(7)
     block_size, num_blocks = 16, 128
-    k_cache = torch.randn(num_blocks, block_size, 3, 64, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, 3, 64, generator=g)
+    k_cache = torch.randn(k_cache_shape(num_blocks, block_size, 3, 64), generator=g)
+    v_cache = torch.randn(v_cache_shape(num_blocks, block_size, 3, 64), generator=g)
     blocks = torch.randperm(num_blocks, generator=g)
     tables = torch.stack([blocks[:60], blocks[60:120],
                           torch.cat([blocks[120:], blocks[:52]])]).to(torch.int32)
@@ -672,8 +689,9 @@ def test_rope_write_kv_into_fp16_cache_rounds_to_nearest(variant, native):
     num_heads, num_kv_heads, head_dim = 4, 2, 16
     qkv, cos, sin, positions, slots = make_rope_batch()
     bias = torch.randn(qkv.shape[1]) if variant == "bias" else None
-    caches32 = [torch.zeros(8, 4, num_kv_heads, head_dim) for _ in range(2)]
-    caches16 = [torch.zeros(8, 4, num_kv_heads, head_dim, dtype=torch.float16) for _ in range(2)]
+    shapes = (k_cache_shape(8, 4, num_kv_heads, head_dim), v_cache_shape(8, 4, num_kv_heads, head_dim))
+    caches32 = [torch.zeros(shape) for shape in shapes]
+    caches16 = [torch.zeros(shape, dtype=torch.float16) for shape in shapes]
     q32 = rope_write_kv(qkv, bias, None, None, 1e-6, cos, sin, positions, *caches32, slots,
                         num_heads, native=native)
     q16 = rope_write_kv(qkv, bias, None, None, 1e-6, cos, sin, positions, *caches16, slots,

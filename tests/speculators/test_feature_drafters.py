@@ -12,6 +12,7 @@ from speculant.engine.engine import Engine
 from speculant.engine.sampling_params import SamplingParams, SpecParams
 from speculant.models.eagle3_head import Eagle3Head
 from speculant.models.mtp_head import MtpHead
+from speculant.kernels.kv_layout import gather_k, gather_v
 
 PROMPTS = ["Write a haiku about the sea.", "List four prime numbers.",
            "Explain in one sentence what a compiler does.", "Say hello in French and Spanish."]
@@ -278,8 +279,9 @@ def test_packed_layer_equals_the_reference_maths(eagle_engine):
         try:
             batch = build_forward_batch(cache, chunks)
             outs[packed is not None] = (probe._run_layer(batch, hidden.clone()),
-                                        cache.k[0].view(-1, *cache.k[0].shape[2:])[batch.slot_mapping].float(),
-                                        cache.v[0].view(-1, *cache.v[0].shape[2:])[batch.slot_mapping].float())
+                                        gather_k(cache.k[0], batch.slot_mapping,
+                                                 cache.block_size).float(),
+                                        gather_v(cache.v[0], batch.slot_mapping).float())
         finally:
             probe.packed_layer = layer
             cache.free(seq_id)

@@ -1,8 +1,9 @@
 // Causal attention over a paged KV cache.
 //
-// Token t of sequence s = token_seq[t] attends to positions 0..token_pos[t] of s, whose K/V rows
-// live at k_cache[block_tables[s][p / block_size], p % block_size]. Query head h reads KV head
-// h / (Hq / Hkv) (grouped-query attention).
+// Token t of sequence s = token_seq[t] attends to positions 0..token_pos[t] of s, whose V rows
+// live at v_cache[block_tables[s][p / block_size], p % block_size] and whose K values at
+// k_cache[block_tables[s][p / block_size], kv_head, feature, p % block_size] (transposed blocks,
+// kernels/kv_layout.py). Query head h reads KV head h / (Hq / Hkv) (grouped-query attention).
 //
 // Partitions: a token's positions are cut at fixed multiples of kPartition. Per partition the
 // softmax numerators give a partial (max, sum of exp, exp-weighted value sum), and the partials
@@ -15,21 +16,22 @@
 // a verification chunk, a slice of a prompt) x one KV head x the query heads of its group (or a
 // slice of them when there are too few units to share between threads), over all partitions,
 // or over one partition when few runs have long contexts (attend_split). A unit computes the
-// scores of all its queries one 8-position chunk at a time, so each K row comes from memory once
-// and is reused from L1 by every query of the unit; the V rows of a token are shared by its heads.
-// K and V rows are prefetched ahead: the cache is read from DRAM at every step (the weights
-// streamed in between evict it), and its block boundaries are jumps hardware prefetchers miss.
+// scores of its queries in register tiles of queries x vectors of 8 (16) positions: a score
+// vector is one FMA chain over the features of a transposed K block, q[d] broadcast, no
+// horizontal sums; each group of kScoreVectors vectors comes from memory once and is reused from
+// L1 by every query of the unit; the V rows of a token are shared by its heads. K blocks and V
+// rows are prefetched ahead: the cache is read from DRAM at every step (the weights streamed in
+// between evict it), and its block boundaries are jumps hardware prefetchers miss.
 //
 // Batch invariance: each (token, head) output is computed with one fixed sequence of operations
-// (per partition: scores in 8-position chunks of one FMA chain each, one max, exp and sum in
-// 8-lane chunks, the value sum in position order; then the merge in partition order) that never
+// (per partition: each score one FMA chain over the features, one max, exp and sum in 8-lane
+// chunks, the value sum in position order; then the merge in partition order) that never
 // depends on the other queries of its unit, on how the batch was split into units, or on which
 // thread ran it.
 //
-// Kernel paths: on a path with wide attention (kernel_path.h) the score chunks and the value sums
-// run as 512-bit loops (avx512/attention.cpp: two queries' FMA chains per vector, 16 features per
-// vector) with the same operations per lane, so the outputs are bit-identical to the AVX2 loops
-// here. There the 8 K rows of a chunk are converted to fp32 once for all the unit's queries.
+// Kernel paths: on a path with wide attention (kernel_path.h) the scores and the value sums run as
+// 512-bit loops (avx512/attention.cpp: 16 positions or 16 features per vector) with the same
+// operations per lane, so the outputs are bit-identical to the AVX2 loops here.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -57,10 +59,10 @@ constexpr int64_t kRunTokens = 16;
 // result depending on the split (a multiple of 8).
 constexpr int64_t kPartition = 256;
 constexpr int kHeadTile = 3;       // query heads sharing each loaded V row
-// Units with fewer queries score with the AVX2 loop even on a wide path (same results): the
-// fp32 copy of each chunk's K rows only pays off when several query pairs read it.
-constexpr int64_t kMinWideQueries = 4;
-constexpr int64_t kPrefetchAhead = 16;  // positions between a row's prefetch and its use
+constexpr int64_t kPrefetchAhead = 16;  // positions between a V row's prefetch and its use
+// 8-position vectors scored per pass over the unit's queries (64 positions): their K comes from
+// memory once (the next pass's is prefetched meanwhile) and serves every query tile from L1.
+constexpr int64_t kScorePass = 8;
 // Below this many (position, query head) pairs, ~5 us of work, one thread does it all.
 constexpr int64_t kMinParallelWork = 512;
 
@@ -68,7 +70,7 @@ constexpr int64_t kMinParallelWork = 512;
 template <typename KV>
 struct Problem {
   const float* q;          // [T, Hq, D]
-  const KV* k;             // [num_blocks, block_size, Hkv, D]
+  const KV* k;             // [num_blocks, Hkv, D, block_size]
   const KV* v;             // [num_blocks, block_size, Hkv, D]
   const int32_t* tables;   // [S, max_blocks]
   const int32_t* seq;      // [T]
@@ -88,102 +90,131 @@ struct Unit {
 template <typename KV>
 struct Scratch {
   std::vector<float> scores;                 // [queries of the unit, kPartition]
-  std::vector<const KV*> k_rows, v_rows;     // [kPartition] position p's K / V row
+  std::vector<const KV*> v_rows;             // [kPartition] position p's V row
+  std::vector<const KV*> k_vecs;             // [kPartition / 8] feature 0 of positions 8i..8i+7
   std::vector<const float*> q_rows;          // [queries of the unit] q row of query j
   std::vector<int64_t> q_last;               // [queries of the unit] its last position
   std::vector<int64_t> base;                 // attend_unit's partials: [tokens of the unit]
   std::vector<float> acc, max, sum;          // [tokens x partitions x Hq (x D)]
-  std::vector<float> k_chunk;                // wide path: [8, D] a chunk's K rows in fp32
-  std::vector<const float*> chunk_q;         // wide path: [queries] those reading the chunk
-  std::vector<float*> chunk_scores;          // wide path: [queries] where their scores go
+  std::vector<const float*> pass_q;          // [queries] those reading a score pass
+  std::vector<float*> pass_scores;           // [queries] where their scores of the pass go
   std::vector<const float*> probs;           // wide path: [queries] softmax numerators
   std::vector<int64_t> lengths;              // wide path: [queries] positions read here
   std::vector<float*> value_sums;            // wide path: [queries] where the sums go
 };
 
-// Row pointers of positions [p_begin, p_end) for KV head kvh (entry 0 = p_begin).
+// V row pointers of positions [p_begin, p_end) for KV head kvh (entry 0 = p_begin), and K
+// pointers of each 8-position vector (feature d at + d * block_size). p_begin is a multiple of
+// the block size, so no vector crosses a block.
 template <typename KV>
 void gather_rows(const Problem<KV>& pb, const int32_t* table, int64_t kvh, int64_t p_begin,
                  int64_t p_end, Scratch<KV>& sc) {
-  sc.k_rows.resize(p_end - p_begin);
+  const int64_t BS = pb.block_size, Hkv = pb.num_kv_heads, D = pb.head_dim;
   sc.v_rows.resize(p_end - p_begin);
-  const int64_t row_stride = pb.num_kv_heads * pb.head_dim;
-  for (int64_t p = p_begin; p < p_end;) {
-    const int64_t b = p / pb.block_size;
-    const int64_t base = (table[b] * pb.block_size * pb.num_kv_heads + kvh) * pb.head_dim;
-    for (int64_t r = p % pb.block_size; r < pb.block_size && p < p_end; ++r, ++p) {
-      sc.k_rows[p - p_begin] = pb.k + base + r * row_stride;
-      sc.v_rows[p - p_begin] = pb.v + base + r * row_stride;
-    }
+  sc.k_vecs.resize((p_end - p_begin + 7) / 8);
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const int64_t b = table[p / BS], r = p % BS;
+    sc.v_rows[p - p_begin] = pb.v + ((b * BS + r) * Hkv + kvh) * D;
+    if ((p - p_begin) % 8 == 0) sc.k_vecs[(p - p_begin) / 8] = pb.k + (b * Hkv + kvh) * D * BS + r;
   }
 }
 
-// Prefetches a row of D floats, one 64-byte line at a time.
+// Prefetches n elements from p on, one 64-byte line at a time.
 template <typename KV>
-inline void prefetch_row(const KV* row, int64_t D) {
-  for (int64_t d = 0; d < D; d += 64 / sizeof(KV)) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+inline void prefetch_row(const KV* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(KV)) {
+    _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
   }
 }
 
-// scores[j] = scale * q . k[j] for j < 8. Each is one FMA chain over D (a multiple of 8)
-// followed by the same hadd tree, so a score never depends on its slot j or on the other rows.
+// Prefetches a K vector's D rows of 8 lanes (block_size = stride apart): when a line holds
+// several rows, every line from its start to the end of its block's head (a vector that
+// continues the previous one's block is then already covered).
 template <typename KV>
-void scores8(const float* q, const KV* const* k, int64_t D, float scale, float* scores) {
-  __m256 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qd = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, load8(k[j] + d), a[j]);
-  }
-  // 8 vectors -> one vector of their 8 lane sums, slot j = row j
-  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
-                                    _mm256_permute2f128_ps(h0123, h4567, 0x31));
-  _mm256_storeu_ps(scores, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-}
-
-// The 8 K rows of a chunk as fp32 rows for the wide scores: fp16 rows are converted here once
-// for all the unit's queries (exactly), instead of at every query's loads.
-template <typename KV>
-void chunk_rows_f32(const KV* const* k, int64_t D, Scratch<KV>& sc, const float** k32) {
-  if constexpr (std::is_same_v<KV, float>) {
-    for (int i = 0; i < 8; ++i) k32[i] = k[i];
-  } else {
-    sc.k_chunk.resize(8 * D);
-    for (int i = 0; i < 8; ++i) {
-      float* row = sc.k_chunk.data() + i * D;
-      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(row + d, load8(k[i] + d));
-      k32[i] = row;
-    }
-  }
-}
-
-// Scores of positions [p0, p0 + 8) (K rows k) for the queries of the unit that read them; a
-// query past its last position is skipped (p0 is then at or beyond its length rounded up to 8).
-template <typename KV>
-void chunk_scores(const Problem<KV>& pb, const KV* const* k, int64_t p0, int64_t stride,
-                  float* scores, Scratch<KV>& sc) {
-  const int64_t num_queries = static_cast<int64_t>(sc.q_rows.size()), D = pb.head_dim;
-  if (!pb.wide || num_queries < kMinWideQueries) {
-    for (int64_t j = 0; j < num_queries; ++j) {
-      if (p0 <= sc.q_last[j]) scores8(sc.q_rows[j], k, D, pb.scale, scores + j * stride + p0);
-    }
+inline void prefetch_k_vector(const KV* k, const KV* previous, int64_t D, int64_t stride) {
+  if (stride * static_cast<int64_t>(sizeof(KV)) <= 64) {
+    if (k != previous + 8) prefetch_row(k, D * stride);
     return;
   }
-  const float* k32[8];
-  chunk_rows_f32(k, D, sc, k32);
-  sc.chunk_q.resize(num_queries);
-  sc.chunk_scores.resize(num_queries);
+  for (int64_t d = 0; d < D; ++d) {
+    _mm_prefetch(reinterpret_cast<const char*>(k + d * stride), _MM_HINT_T0);
+  }
+}
+
+// NQ queries x NV 8-position vectors of transposed K blocks (vector i's feature d at
+// k[i] + d * stride): dst[j] + 8 i <- scale * (FMA chain over d from 0 of q_j[d] * k_i[d]). A
+// score depends only on its query and its position's K, never on its slot in the tile.
+template <int NQ, int NV, typename KV>
+void scores_tile(const float* const* q, const KV* const* k, int64_t stride, int64_t D,
+                 float scale, float* const* dst, int64_t first) {
+  __m256 acc[NQ][NV];
+  for (int j = 0; j < NQ; ++j)
+    for (int i = 0; i < NV; ++i) acc[j][i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 kd[NV];
+    for (int i = 0; i < NV; ++i) kd[i] = load8(k[first + i] + d * stride);
+    for (int j = 0; j < NQ; ++j) {
+      const __m256 qd = _mm256_set1_ps(q[j][d]);
+      for (int i = 0; i < NV; ++i) acc[j][i] = _mm256_fmadd_ps(qd, kd[i], acc[j][i]);
+    }
+  }
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int j = 0; j < NQ; ++j)
+    for (int i = 0; i < NV; ++i) {
+      _mm256_storeu_ps(dst[j] + 8 * (first + i), _mm256_mul_ps(acc[j][i], vscale));
+    }
+}
+
+// AVX2: tiles of up to 4 queries x 2 vectors (8 accumulators, 2 K vectors and a broadcast of the
+// 16 registers; 8 independent chains cover the FMA latency).
+template <int NQ, typename KV>
+void scores_queries(const float* const* q, const KV* const* k, int64_t num_vec, int64_t stride,
+                    int64_t D, float scale, float* const* dst) {
+  int64_t i = 0;
+  for (; i + 2 <= num_vec; i += 2) scores_tile<NQ, 2>(q, k, stride, D, scale, dst, i);
+  if (i < num_vec) scores_tile<NQ, 1>(q, k, stride, D, scale, dst, i);
+}
+
+template <typename KV>
+void scores_avx2(const float* const* q_rows, float* const* dst, int64_t num_queries,
+                 const KV* const* k, int64_t num_vec, int64_t stride, int64_t D, float scale) {
+  for (int64_t j = 0; j < num_queries; j += 4) {
+    const float* const* q = q_rows + j;
+    float* const* out = dst + j;
+    switch (std::min<int64_t>(4, num_queries - j)) {
+      case 4: scores_queries<4>(q, k, num_vec, stride, D, scale, out); break;
+      case 3: scores_queries<3>(q, k, num_vec, stride, D, scale, out); break;
+      case 2: scores_queries<2>(q, k, num_vec, stride, D, scale, out); break;
+      default: scores_queries<1>(q, k, num_vec, stride, D, scale, out); break;
+    }
+  }
+}
+
+// Scores of the 8-position vectors [v0, v0 + nv) of the partition (K pointers sc.k_vecs) for the
+// queries of the unit that read the first of them; a query's scores past its last position are
+// computed too (from the block's other entries) and never read: the softmax overwrites those up
+// to its length rounded to 8 with -inf and reads no further.
+template <typename KV>
+void pass_scores(const Problem<KV>& pb, int64_t v0, int64_t nv, int64_t stride, float* scores,
+                 Scratch<KV>& sc) {
+  const int64_t num_queries = static_cast<int64_t>(sc.q_rows.size());
+  sc.pass_q.resize(num_queries);
+  sc.pass_scores.resize(num_queries);
   int64_t n = 0;
   for (int64_t j = 0; j < num_queries; ++j) {
-    if (p0 > sc.q_last[j]) continue;
-    sc.chunk_q[n] = sc.q_rows[j];
-    sc.chunk_scores[n++] = scores + j * stride + p0;
+    if (8 * v0 > sc.q_last[j]) continue;
+    sc.pass_q[n] = sc.q_rows[j];
+    sc.pass_scores[n++] = scores + j * stride;
   }
-  attention_scores8_avx512(sc.chunk_q.data(), sc.chunk_scores.data(), n, k32, D, pb.scale);
+  const KV* const* k = sc.k_vecs.data() + v0;
+  for (int64_t j = 0; j < n; ++j) sc.pass_scores[j] += 8 * v0;
+  if (pb.wide) {
+    attention_scores_avx512(sc.pass_q.data(), sc.pass_scores.data(), n, k, nv, pb.block_size,
+                            pb.head_dim, pb.scale);
+  } else {
+    scores_avx2(sc.pass_q.data(), sc.pass_scores.data(), n, k, nv, pb.block_size, pb.head_dim,
+                pb.scale);
+  }
 }
 
 // Scores [L rounded up to 8] -> exp(s - max) in place (positions >= L become exactly 0); returns
@@ -350,20 +381,19 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
       sc.q_last[j] = pb.pos[t] - p_begin;
     }
   }
-  for (int64_t p = 0; p < std::min(kPrefetchAhead, n_max); ++p) {
-    prefetch_row(sc.k_rows[p], D);
-    prefetch_row(sc.v_rows[p], D);
-  }
-  for (int64_t p0 = 0; p0 < n_max; p0 += 8) {
-    const KV* k[8];
-    for (int i = 0; i < 8; ++i) {
-      k[i] = sc.k_rows[std::min(p0 + i, n_max - 1)];  // past the end: repeat, overwritten later
-      if (p0 + kPrefetchAhead + i < n_max) {
-        prefetch_row(sc.k_rows[p0 + kPrefetchAhead + i], D);
-        prefetch_row(sc.v_rows[p0 + kPrefetchAhead + i], D);
-      }
+  const int64_t num_vec = stride / 8, BS = pb.block_size;
+  auto prefetch_pass = [&](int64_t v0) {
+    for (int64_t i = v0; i < std::min(v0 + kScorePass, num_vec); ++i) {
+      prefetch_k_vector(sc.k_vecs[i], i > 0 ? sc.k_vecs[i - 1] : nullptr, D, BS);
     }
-    chunk_scores(pb, k, p0, stride, scores, sc);
+  };
+  prefetch_pass(0);
+  for (int64_t p = 0; p < std::min(kPrefetchAhead, n_max); ++p) prefetch_row(sc.v_rows[p], D);
+  for (int64_t v0 = 0; v0 < num_vec; v0 += kScorePass) {
+    prefetch_pass(v0 + kScorePass);
+    const int64_t v_end = std::min(8 * (v0 + kScorePass) + kPrefetchAhead, n_max);
+    for (int64_t p = 8 * v0 + kPrefetchAhead; p < v_end; ++p) prefetch_row(sc.v_rows[p], D);
+    pass_scores(pb, v0, std::min(kScorePass, num_vec - v0), stride, scores, sc);
   }
   if (pb.wide) {
     values_wide(pb, u, part, scores, stride, sc, out);
@@ -574,16 +604,21 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   check(block_tables.scalar_type() == at::kInt && token_seq.scalar_type() == at::kInt &&
             token_pos.scalar_type() == at::kInt,
         "block_tables, token_seq, token_pos must be int32");
-  check(q.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-            block_tables.dim() == 2, "expected q [T, Hq, D], caches [blocks, block_size, Hkv, D]");
+  check(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && block_tables.dim() == 2 &&
+            k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(2) &&
+            k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(1),
+        "expected q [T, Hq, D], K cache [blocks, Hkv, D, block_size], V cache [blocks, "
+        "block_size, Hkv, D]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(2), num_blocks = k_cache.size(0);
-  check(k_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
+  const int64_t Hkv = v_cache.size(2), num_blocks = v_cache.size(0);
+  check(v_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   check(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
   check(token_seq.numel() == T && token_pos.numel() == T,
         "token_seq, token_pos must have T entries");
   const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
-  const int64_t block_size = k_cache.size(1);
+  const int64_t block_size = v_cache.size(1);
+  check(block_size % 8 == 0 && kPartition % block_size == 0,
+        "block_size must be a multiple of 8 that divides 256");
 
   at::Tensor out = at::empty(q.sizes(), q.options());
   auto run = [&](auto kv_type) {

@@ -10,10 +10,16 @@
 
 namespace speculant {
 
-// For each query i < num_queries: dst[i][j] = scale * q_rows[i] . k_rows[j] for j < 8 (fp32 K
-// rows of D floats, D a multiple of 8).
-void attention_scores8_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
-                              const float* const* k_rows, int64_t D, float scale);
+// Scores over num_vec8 vectors of 8 consecutive positions of transposed K blocks (vector i's
+// feature d at k8[i][d * stride], kernels/kv_layout.py): for each query j < num_queries,
+// dst[j][8 i + l] = scale * (the FMA chain over d = 0..D-1 of q_rows[j][d] * k8[i][d * stride + l]).
+// Adjacent vectors of one block (k8[i + 1] == k8[i] + 8) run as 16 lanes.
+void attention_scores_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
+                             const float* const* k8, int64_t num_vec8, int64_t stride, int64_t D,
+                             float scale);
+void attention_scores_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
+                             const uint16_t* const* k8, int64_t num_vec8, int64_t stride,
+                             int64_t D, float scale);
 
 // softmax_numerators (attention.cpp) with the exponentials 16 at a time: s [L rounded up to 8]
 // -> exp(s - max) in place (exactly 0 from L on); returns their sum, stores the max in *max_out.

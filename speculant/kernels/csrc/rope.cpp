@@ -1,7 +1,8 @@
 // The attention block's glue between the QKV projection and attention, fused into one pass per
 // token: split the fused projection into q / k / v heads, add the QKV bias (Qwen2), RMS-normalize
 // each q and k head (Qwen3), rotate q and k (NeoX / HF RoPE), return q and write k and v straight
-// into the paged cache at the token's slot.
+// into the paged cache at the token's slot (V as a row of its block, K as a column of its
+// transposed block: kernels/kv_layout.py).
 //
 // The order of operations is the PyTorch reference's (bias, norm, rotate), each step rounding the
 // same way, so the result is bit-identical to it except for the norms' sum of squares (rows.h).
@@ -82,6 +83,18 @@ void store_row(const float* src, const float* bias, const float* norm, float eps
   for (; i < D; ++i) dst[i] = _cvtss_sh(scratch[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
+// head() into the column of a transposed K block: feature d at dst[d * stride], rounded like
+// store_row for an fp16 cache.
+template <typename KV>
+void store_column(const float* src, const float* bias, const float* norm, float eps,
+                  const float* cos, const float* sin, int64_t D, float* scratch, KV* dst,
+                  int64_t stride) {
+  thread_local std::vector<KV> row;
+  row.resize(D);
+  store_row(src, bias, norm, eps, cos, sin, D, scratch, row.data());
+  for (int64_t d = 0; d < D; ++d) dst[d * stride] = row[d];
+}
+
 }  // namespace
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>& bias,
@@ -95,14 +108,18 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
                   qkv.is_contiguous(),
               "speculant::rope_write_kv: qkv must be a contiguous 2-D float32 CPU tensor");
   const bool half = k_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+  TORCH_CHECK(v_cache.dim() == 4 && k_cache.dim() == 4 && k_cache.size(0) == v_cache.size(0) &&
+                  k_cache.size(1) == v_cache.size(2) && k_cache.size(2) == v_cache.size(3) &&
+                  k_cache.size(3) == v_cache.size(1) && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
                   (half || k_cache.scalar_type() == at::kFloat) && k_cache.device().is_cpu() &&
                   v_cache.device().is_cpu(),
               "speculant::rope_write_kv: caches must be contiguous float32 or float16 CPU "
-              "tensors [num_blocks, block_size, num_kv_heads, head_dim]");
-  const int64_t T = qkv.size(0), Hq = num_heads, Hkv = k_cache.size(2), D = k_cache.size(3);
-  const int64_t width = (Hq + 2 * Hkv) * D, num_slots = k_cache.size(0) * k_cache.size(1);
+              "tensors, K [num_blocks, num_kv_heads, head_dim, block_size] and V [num_blocks, "
+              "block_size, num_kv_heads, head_dim]");
+  const int64_t T = qkv.size(0), Hq = num_heads, Hkv = v_cache.size(2), D = v_cache.size(3);
+  const int64_t block_size = v_cache.size(1);
+  const int64_t width = (Hq + 2 * Hkv) * D, num_slots = v_cache.size(0) * block_size;
   TORCH_CHECK(qkv.size(1) == width, "speculant::rope_write_kv: qkv has ", qkv.size(1),
               " columns, expected (", Hq, " + 2 * ", Hkv, ") * ", D);
   TORCH_CHECK(D % 2 == 0, "speculant::rope_write_kv: head_dim must be even");
@@ -141,11 +158,11 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
         }
         for (int64_t h = 0; h < Hkv; ++h) {
           const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
-          const int64_t dst = (slots[t] * Hkv + h) * D;
-          store_row(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, scratch.data(),
-                    kc + dst);
+          const int64_t block = slots[t] / block_size, r = slots[t] % block_size;
+          store_column(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, scratch.data(),
+                       kc + (block * Hkv + h) * D * block_size + r, block_size);
           store_row(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D,
-                    scratch.data(), vc + dst);
+                    scratch.data(), vc + (slots[t] * Hkv + h) * D);
         }
       }
     });

@@ -2,17 +2,16 @@
 // with the AVX-512 flags and included only through attention_wide.h (see linear_blocks.h why).
 //
 // Bit-identical to the AVX2 loops, lane for lane:
-//   scores: a 512-bit accumulator holds the 8-lane FMA chains of two queries against the same K
-//     row ([query a | query b]), so one FMA does the work of two AVX2 ones; the horizontal sums
-//     then follow the AVX2 hadd tree (vshufps pairs within 128-bit lanes are vhaddps, and two
-//     128-bit lane shuffles stand for the vperm2f128 step), adding the same numbers in the same
-//     order.
+//   scores: a lane is a position of a transposed K block (kernels/kv_layout.py), its score one
+//     FMA chain over the features from 0, then times the scale; a vector covers 16 positions
+//     instead of 8.
 //   values: each feature's sum is still one FMA chain over the positions in ascending order; a
 //     vector just covers 16 features instead of 8.
 //   softmax: exp16 is simd.h's exp8 instruction for instruction on 16 lanes; the maximum is exact
 //     in any order, and the sum still adds 8-lane vectors in position order, then by hsum's tree.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../attention_wide.h"
@@ -20,70 +19,117 @@
 namespace speculant {
 namespace {
 
-// 256-bit halves through their 64-bit-lane forms, which need only AVX-512F (the f32x8 forms are
-// AVX-512DQ). Casts are free.
-// [8 floats at lo | 8 floats at hi]
-inline __m512 load_halves(const float* lo, const float* hi) {
-  const __m512d wide = _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(lo)));
-  return _mm512_castpd_ps(_mm512_insertf64x4(wide, _mm256_castps_pd(_mm256_loadu_ps(hi)), 1));
-}
-
-// [8 floats at p | the same 8]
-inline __m512 broadcast8(const float* p) {
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
-}
-
 inline __m256 upper_half(__m512 v) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
 }
 
-// vhaddps on each 256-bit half: [x0+x1, x2+x3, y0+y1, y2+y3] per 128-bit lane.
-inline __m512 hadd_halves(__m512 x, __m512 y) {
-  return _mm512_add_ps(_mm512_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// NP pairs of queries (a, b) x 8 K rows: acc[n][j] = [chain of a | chain of b] for row j, each
-// chain summing q[d..d+8) * k_j[d..d+8) over d in steps of 8, as scores8 does.
-template <int NP>
-void chains(const float* const* qa, const float* const* qb, const float* const* k, int64_t D,
-            __m512 (*acc)[8]) {
-  for (int n = 0; n < NP; ++n)
-    for (int j = 0; j < 8; ++j) acc[n][j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    __m512 q[NP];
-    for (int n = 0; n < NP; ++n) q[n] = load_halves(qa[n] + d, qb[n] + d);
-    for (int j = 0; j < 8; ++j) {
-      const __m512 kj = broadcast8(k[j] + d);
-      for (int n = 0; n < NP; ++n) acc[n][j] = _mm512_fmadd_ps(q[n], kj, acc[n][j]);
+// NQ queries x NV 16-position vectors of a transposed K block (vector i's feature d at
+// k[i] + d * stride): dst[j] + 16 i <- scale * (FMA chain over d from 0 of q_j[d] * k_i[d]), the
+// AVX2 loop's per-lane arithmetic. 6 x 4 accumulators, 4 K vectors and a broadcast q fit the 32
+// registers, and 24 independent chains hide the FMA latency.
+template <int NQ, int NV, typename KV>
+void scores_tile16(const float* const* q, const KV* const* k, int64_t stride, int64_t D,
+                   float scale, float* const* dst) {
+  __m512 acc[NQ][NV];
+  for (int j = 0; j < NQ; ++j)
+    for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kd[NV];
+    for (int i = 0; i < NV; ++i) kd[i] = load16(k[i] + d * stride);
+    for (int j = 0; j < NQ; ++j) {
+      const __m512 qd = _mm512_set1_ps(q[j][d]);
+      for (int i = 0; i < NV; ++i) acc[j][i] = _mm512_fmadd_ps(qd, kd[i], acc[j][i]);
     }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int j = 0; j < NQ; ++j)
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(dst[j] + 16 * i, _mm512_mul_ps(acc[j][i], vscale));
+}
+
+// The same for one 8-position vector (a block of 8 positions, or the last 8 of a partition).
+template <int NQ, typename KV>
+void scores_tile8(const float* const* q, const KV* k, int64_t stride, int64_t D, float scale,
+                  float* const* dst) {
+  __m256 acc[NQ];
+  for (int j = 0; j < NQ; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 kd = load8(k + d * stride);
+    for (int j = 0; j < NQ; ++j) acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(q[j][d]), kd, acc[j]);
+  }
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int j = 0; j < NQ; ++j) _mm256_storeu_ps(dst[j], _mm256_mul_ps(acc[j], vscale));
+}
+
+template <int NQ, typename KV>
+void scores_tile16_n(int nv, const float* const* q, const KV* const* k, int64_t stride, int64_t D,
+                     float scale, float* const* dst) {
+  switch (nv) {
+    case 4: scores_tile16<NQ, 4>(q, k, stride, D, scale, dst); break;
+    case 3: scores_tile16<NQ, 3>(q, k, stride, D, scale, dst); break;
+    case 2: scores_tile16<NQ, 2>(q, k, stride, D, scale, dst); break;
+    default: scores_tile16<NQ, 1>(q, k, stride, D, scale, dst); break;
   }
 }
 
-// The 8 chains of a pair -> [8 scores of a | 8 scores of b], by scores8's reduction tree.
-inline __m512 reduce8(const __m512* a) {
-  const __m512 h01 = hadd_halves(a[0], a[1]), h23 = hadd_halves(a[2], a[3]);
-  const __m512 h45 = hadd_halves(a[4], a[5]), h67 = hadd_halves(a[6], a[7]);
-  const __m512 x = hadd_halves(h01, h23), y = hadd_halves(h45, h67);
-  // AVX2: [x.lo | y.lo] + [x.hi | y.hi] per query, with 128-bit lanes x = (a.lo, a.hi, b.lo,
-  // b.hi); summed as [a: x.lo, b: x.lo, a: y.lo, b: y.lo] + [... hi ...], then lanes reordered
-  const __m512 lo = _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0));
-  const __m512 hi = _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1));
-  const __m512 sums = _mm512_add_ps(lo, hi);
-  return _mm512_shuffle_f32x4(sums, sums, _MM_SHUFFLE(3, 1, 2, 0));
+constexpr int kScoreQueries = 6;  // queries per register tile
+constexpr int kScoreVectors = 4;  // 16-position vectors per register tile
+
+// A query tile (nq <= kScoreQueries) over all the vectors: pairs of adjacent 8-position vectors
+// of one block run as 16-lane vectors, up to kScoreVectors at a time; a lone one as 8 lanes.
+template <int NQ, typename KV>
+void scores_queries(const float* const* q, const KV* const* k8, int64_t num_vec8, int64_t stride,
+                    int64_t D, float scale, float* const* dst) {
+  const KV* k16[kScoreVectors];
+  float* out[NQ];
+  int64_t first = 0;  // 8-position vector where the pending 16-lane vectors start
+  int nv = 0;
+  auto flush = [&] {
+    if (nv == 0) return;
+    for (int j = 0; j < NQ; ++j) out[j] = dst[j] + 8 * first;
+    scores_tile16_n<NQ>(nv, q, k16, stride, D, scale, out);
+    first += 2 * nv;
+    nv = 0;
+  };
+  for (int64_t i = 0; i < num_vec8;) {
+    if (i + 1 < num_vec8 && k8[i + 1] == k8[i] + 8) {
+      k16[nv++] = k8[i];
+      i += 2;
+      if (nv == kScoreVectors) flush();
+    } else {
+      flush();
+      for (int j = 0; j < NQ; ++j) out[j] = dst[j] + 8 * i;
+      scores_tile8<NQ>(q, k8[i], stride, D, scale, out);
+      i += 1;
+      first = i;
+    }
+  }
+  flush();
 }
 
-// Scores of NP query pairs; a pair may name one query twice (its second copy is not stored).
-template <int NP>
-void score_pairs(const float* const* qa, const float* const* qb, float* const* da,
-                 float* const* db, const float* const* k, int64_t D, float scale) {
-  __m512 acc[NP][8];
-  chains<NP>(qa, qb, k, D, acc);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int n = 0; n < NP; ++n) {
-    const __m512 s = _mm512_mul_ps(reduce8(acc[n]), vscale);
-    _mm256_storeu_ps(da[n], _mm512_castps512_ps256(s));
-    if (db[n] != da[n]) _mm256_storeu_ps(db[n], upper_half(s));
+template <typename KV>
+void scores_any(const float* const* q_rows, float* const* dst, int64_t num_queries,
+                const KV* const* k8, int64_t num_vec8, int64_t stride, int64_t D, float scale) {
+  static_assert(kScoreQueries == 6, "one case per query count");
+  for (int64_t j = 0; j < num_queries; j += kScoreQueries) {
+    const float* const* q = q_rows + j;
+    float* const* out = dst + j;
+    switch (std::min<int64_t>(kScoreQueries, num_queries - j)) {
+      case 6: scores_queries<6>(q, k8, num_vec8, stride, D, scale, out); break;
+      case 5: scores_queries<5>(q, k8, num_vec8, stride, D, scale, out); break;
+      case 4: scores_queries<4>(q, k8, num_vec8, stride, D, scale, out); break;
+      case 3: scores_queries<3>(q, k8, num_vec8, stride, D, scale, out); break;
+      case 2: scores_queries<2>(q, k8, num_vec8, stride, D, scale, out); break;
+      default: scores_queries<1>(q, k8, num_vec8, stride, D, scale, out); break;
+    }
   }
 }
 
@@ -117,14 +163,6 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // Positions [p_begin, p_end) of the value sums of NQ queries, features [d0, d0 + 16 NV): every
 // vector is its own FMA chain, started at 0 or continued from outs (a chain split at a position
@@ -220,30 +258,16 @@ void values_any(const KV* const* v_rows, const float* const* probs, const int64_
 
 }  // namespace
 
-void attention_scores8_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
-                              const float* const* k_rows, int64_t D, float scale) {
-  // up to kMaxPairs pairs share each K load (their 8 NP accumulators, NP q vectors and the K
-  // vector fit the 32 registers); an odd last query is paired with itself
-  constexpr int kMaxPairs = 3;
-  int64_t i = 0;
-  while (i < num_queries) {
-    const float* qa[kMaxPairs];
-    const float* qb[kMaxPairs];
-    float* da[kMaxPairs];
-    float* db[kMaxPairs];
-    int np = 0;
-    for (; np < kMaxPairs && i < num_queries; ++np, i += 2) {
-      const int64_t b = i + 1 < num_queries ? i + 1 : i;
-      qa[np] = q_rows[i], qb[np] = q_rows[b], da[np] = dst[i], db[np] = dst[b];
-    }
-    if (np == 3) {
-      score_pairs<3>(qa, qb, da, db, k_rows, D, scale);
-    } else if (np == 2) {
-      score_pairs<2>(qa, qb, da, db, k_rows, D, scale);
-    } else {
-      score_pairs<1>(qa, qb, da, db, k_rows, D, scale);
-    }
-  }
+void attention_scores_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
+                             const float* const* k8, int64_t num_vec8, int64_t stride, int64_t D,
+                             float scale) {
+  scores_any(q_rows, dst, num_queries, k8, num_vec8, stride, D, scale);
+}
+
+void attention_scores_avx512(const float* const* q_rows, float* const* dst, int64_t num_queries,
+                             const uint16_t* const* k8, int64_t num_vec8, int64_t stride,
+                             int64_t D, float scale) {
+  scores_any(q_rows, dst, num_queries, k8, num_vec8, stride, D, scale);
 }
 
 float attention_softmax_avx512(float* s, int64_t L, float* max_out) {
