@@ -32,7 +32,7 @@ def rope_write_kv(
     cos: torch.Tensor,  # [max_positions, head_dim] from rope_cos_sin
     sin: torch.Tensor,  # [max_positions, head_dim]
     positions: torch.Tensor,  # [T] int64 (or int32), each token's position in its sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32/fp16, written
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, head_dim, block_size] fp32/fp16, written
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim] fp32/fp16, written
     slot_mapping: torch.Tensor,  # [T] int64 (or int32), flat cache slot of each token
     num_heads: int,
