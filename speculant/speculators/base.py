@@ -125,6 +125,15 @@ class DraftBuilder:
         return prob >= params.p_min and (
             not self.ids or self.run_prob * prob >= params.p_min_run)
 
+    def need(self, params: DraftParams) -> float:
+        """The probability a next token must reach to join the draft (`takes`); > 1 when
+        none can (the run's product already fell below p_min_run)."""
+        if not self.ids or params.p_min_run <= 0.0:
+            return params.p_min
+        if self.run_prob <= 0.0:
+            return float("inf")
+        return max(params.p_min, params.p_min_run / self.run_prob)
+
     def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
         self.ids.append(tok)
         self.probs.append(prob)

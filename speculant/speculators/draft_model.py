@@ -26,6 +26,7 @@ from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError
 from speculant.speculators.base import (Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext,
                                         check_model_drafter_config)
+from speculant.speculators.continuation import ContinuationRecord
 from speculant.speculators.draft_vocab import head_token_ids, read_ranking
 from speculant.speculators.ngram_match import common_prefix_len
 
@@ -109,6 +110,7 @@ class DraftModelSpeculator(Speculator):
         self._generator = torch.Generator().manual_seed(config.seed)
         self.num_draft_forwards = 0
         self.num_draft_rounds = 0
+        self.continuation = ContinuationRecord()  # whether a further draft forward pays
 
     @classmethod
     def from_context(cls, ctx: SpeculatorContext, config: DraftModelConfig | None):
@@ -170,12 +172,16 @@ class DraftModelSpeculator(Speculator):
                     continue  # a long catch-up continues next round
                 req, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
                 tok, prob, q = self._pick(logits)
-                if not grow.takes(prob, req.params):
+                taken = grow.takes(prob, req.params)
+                if grow.ids:  # this row's forward was run for a further token
+                    self.continuation.record(grow.need(req.params), taken)
+                if not taken:
                     continue
                 grow.add(tok, prob, q)
                 pos = chunk.start_pos + len(chunk.token_ids)
                 if len(grow.ids) < req.params.n_max and tok not in self.eos_token_ids \
-                        and self.cache.can_grow(req.seq_id, pos + 1):
+                        and self.cache.can_grow(req.seq_id, pos + 1) \
+                        and self.continuation.worth(grow.need(req.params)):
                     next_chunks.append(SeqChunk(req.seq_id, pos, [tok], 1))
             chunks = next_chunks
         return {seq_id: g.to_draft() for seq_id, g in grown.items()

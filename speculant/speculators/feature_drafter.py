@@ -53,6 +53,7 @@ from speculant.models.packed_head import pack_linears, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, TargetView,
                                         check_model_drafter_config)
+from speculant.speculators.continuation import ContinuationRecord
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -138,6 +139,7 @@ class FeatureDrafter(Speculator):
         # [draft_vocab] int64: the target token of each column of the head's logits
         self.draft_ids = torch.arange(hc.draft_vocab_size, device=head.d2t.device) + head.d2t
         self.num_draft_forwards = 0
+        self.continuation = ContinuationRecord()  # whether a further draft forward pays
         # the head's layer on the target's fused kernels, when the head offers one for its
         # (packed) weights; else the reference maths op by op
         packed = getattr(head, "packed_layer", None)
@@ -365,12 +367,16 @@ class FeatureDrafter(Speculator):
         for row, chunk in enumerate(chunks):
             r, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
             tok, prob, q = self._pick(logits[row])
-            if not grow.takes(prob, r.params):
+            taken = grow.takes(prob, r.params)
+            if grow.ids:  # this row's forward was run for a further token
+                self.continuation.record(grow.need(r.params), taken)
+            if not taken:
                 continue
             grow.add(tok, prob, q)
             pos = chunk.start_pos + 1  # the draft entry: (this hidden, this token)
             if len(grow.ids) < r.params.n_max and tok not in self.eos_token_ids \
-                    and pos + 1 < self.max_positions and self.cache.can_grow(chunk.seq_id, pos + 1):
+                    and pos + 1 < self.max_positions and self.cache.can_grow(chunk.seq_id, pos + 1) \
+                    and self.continuation.worth(grow.need(r.params)):
                 next_chunks.append(SeqChunk(chunk.seq_id, pos, [tok], 1))
                 next_inputs.append(h_rows[row:row + 1])
         return next_chunks, next_inputs

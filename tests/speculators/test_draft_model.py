@@ -271,3 +271,24 @@ def test_shipped_draft_learned_to_agree_with_the_target(shipped_draft_engine):
     num_judged = stats.num_drafts + stats.num_scored
     first_matched = (stats.accepted_per_pos[:1] or [0])[0] + stats.num_scored_first_matched
     assert num_judged >= 100 and first_matched / num_judged > 0.1
+
+
+def test_no_further_draft_forward_once_the_run_cannot_pay(self_draft_engine):
+    """p_min_run above what the run can reach: the first token, and no forward for a second."""
+    from speculant.speculators.base import DraftParams, DraftRequest
+
+    spec: DraftModelSpeculator = self_draft_engine.speculator("draft")
+    tok = self_draft_engine.tokenizer
+    history = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}]))
+    lengths = {}
+    for p_min_run in (0.0, 1.0):
+        spec.begin(200, history)
+        try:
+            before = spec.num_draft_forwards
+            draft = spec.draft([DraftRequest(200, history, DraftParams(n_max=4, p_min_run=p_min_run))])
+            lengths[p_min_run] = (len(draft[200]), spec.num_draft_forwards - before)
+        finally:
+            spec.end(200)
+    assert lengths[0.0] == (4, 4)
+    # a first token of probability exactly 1 would leave need = 1 and one more forward
+    assert lengths[1.0] in ((1, 1), (2, 2))

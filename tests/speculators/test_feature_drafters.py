@@ -219,6 +219,46 @@ def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
 
 
 @torch.inference_mode()
+def test_no_further_forward_once_the_run_cannot_pay(eagle_engine):
+    """A draft whose run product fell below p_min_run can take no further token: the head runs
+    no forward for one (a random head's first token has probability ~1/draft_vocab)."""
+    from speculant.speculators.base import DraftParams, DraftRequest
+
+    engine = eagle_engine
+    probe = engine.speculator(engine.speculator_names[0])
+    history = engine.tokenizer.encode(chats(engine, ["Name a colour."])[0])
+    feats = prompt_features(engine, history[:-1], probe.hidden_layers)
+    drafts = {}
+    for p_min_run in (0.0, 0.9):
+        seq_id = 10**6 + 3
+        probe.begin(seq_id, history[:-1])
+        try:
+            probe.process([committed_prompt(seq_id, history, feats)])
+            forwards = probe.num_draft_forwards
+            drafts[p_min_run] = probe.draft([DraftRequest(seq_id, history, DraftParams(
+                n_max=4, p_min_run=p_min_run))])[seq_id].token_ids
+            # the catch-up forward yields the first token; each further token one forward
+            assert probe.num_draft_forwards - forwards == (4 if p_min_run == 0.0 else 1)
+        finally:
+            probe.end(seq_id)
+    assert len(drafts[0.0]) == 4 and drafts[0.9] == drafts[0.0][:1]
+
+
+def prompt_features(engine, token_ids, layers):
+    from speculant.llm import LLM
+
+    return LLM.from_engine(engine).hidden_states(token_ids, layers)
+
+
+def committed_prompt(seq_id, history, feats):
+    """The prompt history[:-1] committed, history[-1] sampled after it."""
+    from speculant.speculators.base import CommittedTokens
+
+    n = len(history) - 1
+    return CommittedTokens(seq_id, 0, history[:n], history[n], {i: f[:n] for i, f in feats.items()})
+
+
+@torch.inference_mode()
 def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
     """More than MAX_WAITING waiting entries (a long prompt chunk) restart the head's cache on the newest
     HEAD_WINDOW: the draft is then the head's answer for a sequence that starts at the
