@@ -69,8 +69,13 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if isinstance(self.spec, dict):
+        if self.spec is None:  # the engine's defaults, as an omitted field
+            self.spec = SpecParams()
+        elif isinstance(self.spec, dict):
             self.spec = SpecParams(**self.spec)
+        elif not isinstance(self.spec, SpecParams):
+            raise ValueError(f"spec must be SpecParams, a dict of its fields or None, "
+                             f"got {type(self.spec).__name__}")
 
     @property
     def is_greedy(self) -> bool:

@@ -97,17 +97,50 @@ PENDING_LIMIT = 64
 # HEAD_WINDOW of them (128 rows cost ~15 ms on 2 AVX2 cores)
 MAX_WAITING = 256
 HEAD_WINDOW = 128
+# A sequence the head was not asked to draft for during the last SILENT_AFTER committed tokens
+# is silent: `process` keeps its features but computes no entries (at c=8 on mt_bench, where the
+# chain rarely asks the head, those forwards were 3% of the run), and when it is asked again
+# its head cache restarts on the newest RESUME_WINDOW waiting entries (a small catch-up)
+SILENT_AFTER = PENDING_LIMIT
+RESUME_WINDOW = 32
+# A head forward over n rows takes about FORWARD_FIXED_ROWS + n one-row times: reading the
+# weights, not the rows, sets a small forward's time (64 rows ~ three 1-row forwards)
+FORWARD_FIXED_ROWS = 30
+
+
+def sunk_share(num_rows: int, num_seqs: int) -> float:
+    """Share of a forward over the committed entries of `num_seqs` sequences (`num_rows` in
+    all) that `process` would spend anyway: the rows beyond each sequence's newest, which its
+    batched forwards compute once PENDING_LIMIT wait. The rest (the weights read for this
+    forward, the row that yields the first draft token) is the price of asking for a draft.
+    (Priced with every row, a head asked rarely looked dear and was asked rarer; priced with
+    none, at c=8 on mt_bench the head was asked where its drafts cost more than they saved.)"""
+    return max(0, num_rows - num_seqs) / (FORWARD_FIXED_ROWS + num_rows) if num_rows else 0.0
 
 
 @dataclass(slots=True)
 class _SeqState:
     base: int = 0  # the target position of head slot 0 (> 0 after a window restart)
     cached_len: int = 0  # head slots 0..cached_len-1 are in the head's KV cache
-    # [n, n_feat * hidden] the target's captured features (not fused yet) of slots
-    # cached_len..cached_len+n-1, and the committed tokens at those slots
-    features: torch.Tensor | None = None
+    # the target's captured features (not fused yet) of slots cached_len..cached_len+n-1, as
+    # row blocks [n_i, n_feat * hidden] joined only when read (joined at every step, the
+    # waiting rows were copied over and over: O(n^2) per PENDING_LIMIT tokens), and the
+    # committed tokens at those slots
+    feature_parts: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     next_token: int | None = None  # the token after them, when the target sampled it
+    asked_len: int = 0  # the history length the head was last asked to draft after
+
+    def features(self) -> torch.Tensor:
+        """[n, n_feat * hidden] the waiting entries' features, as one tensor."""
+        if len(self.feature_parts) > 1:
+            self.feature_parts = [torch.cat(self.feature_parts)]
+        return self.feature_parts[0]
+
+    def drop_features(self, start: int, end: int | None = None) -> None:
+        """Keep the waiting features [start:end] only."""
+        rows = self.features()[start:end] if self.feature_parts else None
+        self.feature_parts = [rows] if rows is not None and rows.shape[0] else []
     # [1, hidden] output of the newest committed entry: the source of the next round's first
     # draft token; None when it is not computed
     last: torch.Tensor | None = None
@@ -172,7 +205,8 @@ class FeatureDrafter(Speculator):
         if seq_id in self._seqs:
             raise ValueError(f"{self.name}: sequence {seq_id} already begun")
         self.cache.allocate(seq_id)
-        self._seqs[seq_id] = _SeqState()
+        # a new sequence counts as asked: its prompt's entries are computed in its prefill
+        self._seqs[seq_id] = _SeqState(asked_len=len(prompt_ids))
 
     def end(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None:
@@ -206,8 +240,8 @@ class FeatureDrafter(Speculator):
             raw = torch.cat([c.hidden_states[i] for i in self.hidden_layers], dim=-1)
             self._append(state, c, raw)  # [n, n_feat * hidden]
             if len(state.tokens) > MAX_WAITING:
-                self._restart_window(c.seq_id, state)
-            if len(state.tokens) >= PENDING_LIMIT:
+                self._restart_window(c.seq_id, state, HEAD_WINDOW)
+            if len(state.tokens) >= PENDING_LIMIT and not self._is_silent(state):
                 chunk = self._waiting_chunk(c.seq_id, state)
                 if chunk is not None:
                     chunks.append(chunk)
@@ -222,26 +256,30 @@ class FeatureDrafter(Speculator):
                              f"{state.base + known}..{c.start_pos - 1}")
         if start < 0:  # the target recomputed positions before the window: restart there
             self.cache.truncate(c.seq_id, 0)
-            state.base, state.cached_len, state.features, state.tokens = c.start_pos, 0, None, []
+            state.base, state.cached_len, state.feature_parts, state.tokens = c.start_pos, 0, [], []
             start = 0
         elif start < state.cached_len:  # the target recomputed earlier positions
             self.cache.truncate(c.seq_id, start)
-            state.cached_len, state.features, state.tokens = start, None, []
+            state.cached_len, state.feature_parts, state.tokens = start, [], []
         keep = start - state.cached_len
-        kept = None if state.features is None else state.features[:keep]
-        state.features = rows if kept is None or kept.shape[0] == 0 else torch.cat([kept, rows])
+        if keep < len(state.tokens):
+            state.drop_features(0, keep)
+        state.feature_parts.append(rows)
         state.tokens = state.tokens[:keep] + list(c.token_ids)
         state.next_token = c.next_token_id
         state.last = None  # the newest entry moved on: computed again when it is needed
 
-    def _restart_window(self, seq_id: int, state: _SeqState) -> None:
-        """Drop the head's cached entries and all but the newest HEAD_WINDOW waiting ones: the
-        next draft computes HEAD_WINDOW entries, not every position since the last one."""
-        dropped = len(state.tokens) - HEAD_WINDOW
+    def _is_silent(self, state: _SeqState) -> bool:
+        return state.base + state.cached_len + len(state.tokens) - state.asked_len > SILENT_AFTER
+
+    def _restart_window(self, seq_id: int, state: _SeqState, window: int) -> None:
+        """Drop the head's cached entries and all but the newest `window` waiting ones: the
+        next draft computes `window` entries, not every position since the last one."""
+        dropped = len(state.tokens) - window
         self.cache.truncate(seq_id, 0)
         state.base += state.cached_len + dropped
         state.cached_len = 0
-        state.features = state.features[dropped:]
+        state.drop_features(dropped)
         state.tokens = state.tokens[dropped:]
 
     def _waiting_chunk(self, seq_id: int, state: _SeqState) -> SeqChunk | None:
@@ -270,7 +308,7 @@ class FeatureDrafter(Speculator):
         features; a chunk asking for logits keeps its newest entry's output (`last`)."""
         if not chunks:
             return
-        raw = torch.cat([self._seqs[c.seq_id].features[:len(c.token_ids)] for c in chunks])
+        raw = torch.cat([self._seqs[c.seq_id].features()[:len(c.token_ids)] for c in chunks])
         h_rows = self._forward(chunks, self.head.fuse(raw), with_logits=False)
         if h_rows is None:  # the head's cache is full: these sequences draft nothing for now
             for chunk in chunks:
@@ -280,7 +318,7 @@ class FeatureDrafter(Speculator):
         for chunk in chunks:
             state = self._seqs[chunk.seq_id]
             state.cached_len = chunk.start_pos + len(chunk.token_ids)
-            state.features = state.features[len(chunk.token_ids):]
+            state.drop_features(len(chunk.token_ids))
             state.tokens = state.tokens[len(chunk.token_ids):]
             state.last = None
             if chunk.num_logits:
@@ -295,11 +333,13 @@ class FeatureDrafter(Speculator):
         waiting entries, or kept by `process`); each further token is one batched forward of
         draft entries fed with the head's own hidden."""
         t0 = time.perf_counter()
-        pending = [self._pending_chunk(r) for r in requests if r.params.n_max > 0]
-        self._compute_committed([c for c in pending if c is not None])
-        # committed entries are computed anyway (by `process` once PENDING_LIMIT wait): not a
-        # price of drafting (priced in, a head asked rarely looked dear, so it was asked rarer)
-        self.sunk_draft_seconds = time.perf_counter() - t0
+        for r in requests:
+            self._resume(r)
+        pending = [c for c in (self._pending_chunk(r) for r in requests if r.params.n_max > 0)
+                   if c is not None]
+        self._compute_committed(pending)
+        self.sunk_draft_seconds = (time.perf_counter() - t0) * sunk_share(
+            sum(len(c.token_ids) for c in pending), len(pending))
         ready = [r for r in requests if self._can_draft(r)]
         grown: dict[int, DraftBuilder] = {r.seq_id: DraftBuilder() for r in ready}
         by_id = {r.seq_id: r for r in requests}
@@ -316,6 +356,13 @@ class FeatureDrafter(Speculator):
             self.cache.truncate(r.seq_id, self._seqs[r.seq_id].cached_len)
         return {seq_id: g.to_draft() for seq_id, g in grown.items()
                 if len(g.ids) >= max(1, by_id[seq_id].params.n_min)}
+
+    def _resume(self, r: DraftRequest) -> None:
+        """A silent sequence asked again restarts on its newest RESUME_WINDOW entries."""
+        state = self._state(r.seq_id)
+        if self._is_silent(state) and len(state.tokens) > RESUME_WINDOW:
+            self._restart_window(r.seq_id, state, RESUME_WINDOW)
+        state.asked_len = len(r.token_ids)
 
     def _can_draft(self, r: DraftRequest) -> bool:
         """The newest committed entry must be the one before the sequence's last token, and the

@@ -112,6 +112,13 @@ def test_bad_requests_are_refused_with_a_reason(default_engine, prompt, params, 
     assert not default_engine.has_unfinished()
 
 
+def test_spec_none_takes_the_engine_defaults_and_a_wrong_type_is_named():
+    assert SamplingParams(spec=None).spec == SpecParams()
+    assert SamplingParams(spec={"n_max": 3}).spec.n_max == 3
+    with pytest.raises(ValueError, match="spec must be SpecParams"):
+        SamplingParams(spec=3)
+
+
 def test_out_of_vocabulary_token_ids_are_refused(default_engine):
     with pytest.raises(ValueError, match="vocabulary"):
         default_engine.add_request([1, 2, 10**7], SamplingParams())

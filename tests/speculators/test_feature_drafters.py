@@ -259,6 +259,52 @@ def committed_prompt(seq_id, history, feats):
 
 
 @torch.inference_mode()
+def test_a_silent_sequence_costs_no_forward_and_resumes_on_a_short_window(eagle_engine, monkeypatch):
+    """A sequence the head was not asked about for SILENT_AFTER tokens: its committed tokens
+    only keep their features (no batched forward at PENDING_LIMIT); asked again, the head
+    restarts on the newest RESUME_WINDOW entries and drafts its answer for a sequence that
+    starts there, in one forward."""
+    from speculant.llm import LLM
+    from speculant.speculators import feature_drafter
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+
+    monkeypatch.setattr(feature_drafter, "PENDING_LIMIT", 8)
+    monkeypatch.setattr(feature_drafter, "SILENT_AFTER", 8)
+    monkeypatch.setattr(feature_drafter, "RESUME_WINDOW", 6)
+    engine = eagle_engine
+    probe = engine.speculator(engine.speculator_names[0])
+    tok = engine.tokenizer
+    history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(
+        " Blue is the colour of a clear sky at noon, of deep water far from the shore.")
+    prompt_len, n = 12, len(history) - 1
+    assert n - prompt_len > 8 + 6
+    feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
+    seq_id = 10**6 + 9
+    probe.begin(seq_id, history[:prompt_len])
+    try:
+        forwards = probe.num_draft_forwards
+        probe.process([CommittedTokens(seq_id, 0, history[:prompt_len], history[prompt_len],
+                                       {i: f[:prompt_len] for i, f in feats.items()})])
+        assert probe.num_draft_forwards - forwards == 1  # a new sequence's prompt: computed
+        for pos in range(prompt_len, n):  # decode steps, the head never asked
+            probe.process([CommittedTokens(seq_id, pos, [history[pos]], history[pos + 1],
+                                           {i: f[pos:pos + 1] for i, f in feats.items()})])
+        # one more batched forward while the sequence was recently asked (its prompt), then none
+        silent_from = prompt_len + 8
+        assert probe.num_draft_forwards - forwards == 1 + (silent_from - prompt_len) // 8
+        forwards = probe.num_draft_forwards
+        drafts = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=1))])
+        assert probe.num_draft_forwards - forwards == 1
+        base = n - 6
+        assert probe._seqs[seq_id].base == base
+        window = {i: f[base:] for i, f in feats.items()}
+        assert drafts[seq_id].token_ids[0] == reference_first_draft(probe.head, window,
+                                                                    history[base:])
+    finally:
+        probe.end(seq_id)
+
+
+@torch.inference_mode()
 def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
     """More than MAX_WAITING waiting entries (a long prompt chunk) restart the head's cache on the newest
     HEAD_WINDOW: the draft is then the head's answer for a sequence that starts at the
