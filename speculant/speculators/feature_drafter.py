@@ -97,12 +97,13 @@ PENDING_LIMIT = 64
 # HEAD_WINDOW of them (128 rows cost ~15 ms on 2 AVX2 cores)
 MAX_WAITING = 256
 HEAD_WINDOW = 128
-# A sequence the head was not asked to draft for during the last SILENT_AFTER committed tokens
-# is silent: `process` keeps its features but computes no entries (at c=8 on mt_bench, where the
-# chain rarely asks the head, those forwards were 3% of the run), and when it is asked again
-# its head cache restarts on the newest RESUME_WINDOW waiting entries (a small catch-up)
+# A sequence the head was never asked to draft for, or not during the last SILENT_AFTER
+# committed tokens, is silent: `process` keeps its features but computes no entries (at c=8,
+# where the chain rarely asks the head, those forwards and the prompts' were 3% of the run).
+# Asked (again), its head cache restarts on the newest HEAD_WINDOW waiting entries. (Restarted
+# on 32, the head drafted worse after each silence: qa at c=1 accepted 1.33 tokens per step
+# against 1.42, and was asked less, so fell silent more.)
 SILENT_AFTER = PENDING_LIMIT
-RESUME_WINDOW = 32
 # A head forward over n rows takes about FORWARD_FIXED_ROWS + n one-row times: reading the
 # weights, not the rows, sets a small forward's time (64 rows ~ three 1-row forwards)
 FORWARD_FIXED_ROWS = 30
@@ -129,7 +130,8 @@ class _SeqState:
     feature_parts: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     next_token: int | None = None  # the token after them, when the target sampled it
-    asked_len: int = 0  # the history length the head was last asked to draft after
+    # the history length the head was last asked to draft after (None: never asked)
+    asked_len: int | None = None
 
     def features(self) -> torch.Tensor:
         """[n, n_feat * hidden] the waiting entries' features, as one tensor."""
@@ -205,8 +207,7 @@ class FeatureDrafter(Speculator):
         if seq_id in self._seqs:
             raise ValueError(f"{self.name}: sequence {seq_id} already begun")
         self.cache.allocate(seq_id)
-        # a new sequence counts as asked: its prompt's entries are computed in its prefill
-        self._seqs[seq_id] = _SeqState(asked_len=len(prompt_ids))
+        self._seqs[seq_id] = _SeqState()
 
     def end(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None:
@@ -240,7 +241,7 @@ class FeatureDrafter(Speculator):
             raw = torch.cat([c.hidden_states[i] for i in self.hidden_layers], dim=-1)
             self._append(state, c, raw)  # [n, n_feat * hidden]
             if len(state.tokens) > MAX_WAITING:
-                self._restart_window(c.seq_id, state, HEAD_WINDOW)
+                self._restart_window(c.seq_id, state)
             if len(state.tokens) >= PENDING_LIMIT and not self._is_silent(state):
                 chunk = self._waiting_chunk(c.seq_id, state)
                 if chunk is not None:
@@ -270,12 +271,13 @@ class FeatureDrafter(Speculator):
         state.last = None  # the newest entry moved on: computed again when it is needed
 
     def _is_silent(self, state: _SeqState) -> bool:
-        return state.base + state.cached_len + len(state.tokens) - state.asked_len > SILENT_AFTER
+        return state.asked_len is None or \
+            state.base + state.cached_len + len(state.tokens) - state.asked_len > SILENT_AFTER
 
-    def _restart_window(self, seq_id: int, state: _SeqState, window: int) -> None:
-        """Drop the head's cached entries and all but the newest `window` waiting ones: the
-        next draft computes `window` entries, not every position since the last one."""
-        dropped = len(state.tokens) - window
+    def _restart_window(self, seq_id: int, state: _SeqState) -> None:
+        """Drop the head's cached entries and all but the newest HEAD_WINDOW waiting ones: the
+        next draft computes HEAD_WINDOW entries, not every position since the last one."""
+        dropped = len(state.tokens) - HEAD_WINDOW
         self.cache.truncate(seq_id, 0)
         state.base += state.cached_len + dropped
         state.cached_len = 0
@@ -358,10 +360,10 @@ class FeatureDrafter(Speculator):
                 if len(g.ids) >= max(1, by_id[seq_id].params.n_min)}
 
     def _resume(self, r: DraftRequest) -> None:
-        """A silent sequence asked again restarts on its newest RESUME_WINDOW entries."""
+        """A silent sequence asked (again) restarts on its newest HEAD_WINDOW entries."""
         state = self._state(r.seq_id)
-        if self._is_silent(state) and len(state.tokens) > RESUME_WINDOW:
-            self._restart_window(r.seq_id, state, RESUME_WINDOW)
+        if self._is_silent(state) and len(state.tokens) > HEAD_WINDOW:
+            self._restart_window(r.seq_id, state)
         state.asked_len = len(r.token_ids)
 
     def _can_draft(self, r: DraftRequest) -> bool:

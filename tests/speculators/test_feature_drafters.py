@@ -177,9 +177,9 @@ def test_a_head_reading_four_layers_up_to_the_last_drafts_from_them(tmp_path, ta
 
 @torch.inference_mode()
 def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
-    """Committed tokens only keep their features: the head runs no forward per step until
-    PENDING_LIMIT entries wait (then one batched forward) or a draft is asked for, and the
-    draft after the catch-up is the head's own full-sequence answer."""
+    """Committed tokens only keep their features: once the head drafts for a sequence, it runs
+    no forward per step until PENDING_LIMIT entries wait (then one batched forward) or a draft
+    is asked for, and the draft after the catch-up is the head's own full-sequence answer."""
     from speculant.llm import LLM
     from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
     from speculant.speculators.feature_drafter import PENDING_LIMIT
@@ -190,29 +190,35 @@ def test_lazy_entries_catch_up_to_the_heads_causal_maths(eagle_engine):
     history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(
         " Blue is the colour of a clear sky at noon, of deep water far from the shore, and "
         "of many flags. Painters mix it with yellow to make green and with red to make "
-        "purple; it is one of the three primary colours of paint.")
+        "purple; it is one of the three primary colours of paint. Sailors, poets and "
+        "painters have named many shades of it after the sea and the sky.")
     prompt_len, n = 20, len(history) - 1  # positions 0..n-1 committed, history[n] sampled
-    assert n >= PENDING_LIMIT > prompt_len  # one batched forward on the way
+    assert n >= prompt_len + PENDING_LIMIT  # one batched forward on the way
     feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
     seq_id = 10**6
     probe.begin(seq_id, history[:prompt_len])
     try:
-        forwards = probe.num_draft_forwards
         probe.process([CommittedTokens(seq_id, 0, history[:prompt_len], history[prompt_len],
                                        {i: f[:prompt_len] for i, f in feats.items()})])
+        forwards = probe.num_draft_forwards
+        first = probe.draft([DraftRequest(seq_id, history[:prompt_len + 1], DraftParams(n_max=1))])
+        assert probe.num_draft_forwards - forwards == 1  # the prompt's entries, in one forward
+        assert first[seq_id].token_ids[0] == reference_first_draft(
+            probe.head, {i: f[:prompt_len] for i, f in feats.items()}, history[:prompt_len + 1])
+        forwards = probe.num_draft_forwards
         for pos in range(prompt_len, n):  # one decode step each, no draft asked...
             probe.process([CommittedTokens(seq_id, pos, [history[pos]], history[pos + 1],
                                            {i: f[pos:pos + 1] for i, f in feats.items()})])
-            if pos + 1 == PENDING_LIMIT:  # ...but right after the batched forward: nothing waits
+            if pos + 1 == prompt_len + PENDING_LIMIT:  # ...but right after the batched forward
                 assert probe.num_draft_forwards - forwards == 1
                 seen = history[:pos + 2]
                 first = probe.draft([DraftRequest(seq_id, seen, DraftParams(n_max=1))])
-                assert probe.num_draft_forwards - forwards == 1
+                assert probe.num_draft_forwards - forwards == 1  # nothing waits
                 assert first[seq_id].token_ids[0] == reference_first_draft(
                     probe.head, {i: f[:pos + 1] for i, f in feats.items()}, seen)
-        assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT
+        assert probe.num_draft_forwards - forwards == (n - prompt_len) // PENDING_LIMIT
         drafts = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=1))])
-        assert probe.num_draft_forwards - forwards == n // PENDING_LIMIT + 1
+        assert probe.num_draft_forwards - forwards == (n - prompt_len) // PENDING_LIMIT + 1
         assert drafts[seq_id].token_ids[0] == reference_first_draft(probe.head, feats, history)
     finally:
         probe.end(seq_id)
@@ -260,9 +266,9 @@ def committed_prompt(seq_id, history, feats):
 
 @torch.inference_mode()
 def test_a_silent_sequence_costs_no_forward_and_resumes_on_a_short_window(eagle_engine, monkeypatch):
-    """A sequence the head was not asked about for SILENT_AFTER tokens: its committed tokens
-    only keep their features (no batched forward at PENDING_LIMIT); asked again, the head
-    restarts on the newest RESUME_WINDOW entries and drafts its answer for a sequence that
+    """A sequence the head was never asked about, or not for SILENT_AFTER tokens: its committed
+    tokens only keep their features (no batched forward at PENDING_LIMIT); asked, the head
+    restarts on the newest HEAD_WINDOW entries and drafts its answer for a sequence that
     starts there, in one forward."""
     from speculant.llm import LLM
     from speculant.speculators import feature_drafter
@@ -270,36 +276,47 @@ def test_a_silent_sequence_costs_no_forward_and_resumes_on_a_short_window(eagle_
 
     monkeypatch.setattr(feature_drafter, "PENDING_LIMIT", 8)
     monkeypatch.setattr(feature_drafter, "SILENT_AFTER", 8)
-    monkeypatch.setattr(feature_drafter, "RESUME_WINDOW", 6)
+    monkeypatch.setattr(feature_drafter, "HEAD_WINDOW", 10)
     engine = eagle_engine
     probe = engine.speculator(engine.speculator_names[0])
     tok = engine.tokenizer
     history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(
-        " Blue is the colour of a clear sky at noon, of deep water far from the shore.")
+        " Blue is the colour of a clear sky at noon, of deep water far from the shore, and "
+        "of many flags.")
     prompt_len, n = 12, len(history) - 1
-    assert n - prompt_len > 8 + 6
     feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
+
+    def commit(seq_id, pos):
+        probe.process([CommittedTokens(seq_id, pos, [history[pos]], history[pos + 1],
+                                       {i: f[pos:pos + 1] for i, f in feats.items()})])
+
+    def first_draft(seq_id, seen, base):
+        forwards = probe.num_draft_forwards
+        drafts = probe.draft([DraftRequest(seq_id, history[:seen + 1], DraftParams(n_max=1))])
+        assert probe.num_draft_forwards - forwards == 1
+        assert probe._seqs[seq_id].base == base
+        window = {i: f[base:seen] for i, f in feats.items()}
+        assert drafts[seq_id].token_ids[0] == reference_first_draft(probe.head, window,
+                                                                    history[base:seen + 1])
+
     seq_id = 10**6 + 9
+    asked_at = prompt_len + 12
+    assert n > asked_at + 8 + 10
     probe.begin(seq_id, history[:prompt_len])
     try:
         forwards = probe.num_draft_forwards
         probe.process([CommittedTokens(seq_id, 0, history[:prompt_len], history[prompt_len],
                                        {i: f[:prompt_len] for i, f in feats.items()})])
-        assert probe.num_draft_forwards - forwards == 1  # a new sequence's prompt: computed
-        for pos in range(prompt_len, n):  # decode steps, the head never asked
-            probe.process([CommittedTokens(seq_id, pos, [history[pos]], history[pos + 1],
-                                           {i: f[pos:pos + 1] for i, f in feats.items()})])
-        # one more batched forward while the sequence was recently asked (its prompt), then none
-        silent_from = prompt_len + 8
-        assert probe.num_draft_forwards - forwards == 1 + (silent_from - prompt_len) // 8
+        for pos in range(prompt_len, asked_at):  # decode steps, the head never asked
+            commit(seq_id, pos)
+        assert probe.num_draft_forwards == forwards
+        first_draft(seq_id, asked_at, asked_at - 10)  # the newest HEAD_WINDOW entries
         forwards = probe.num_draft_forwards
-        drafts = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=1))])
+        for pos in range(asked_at, n):
+            commit(seq_id, pos)
+        # one batched forward while the sequence was recently asked, then none
         assert probe.num_draft_forwards - forwards == 1
-        base = n - 6
-        assert probe._seqs[seq_id].base == base
-        window = {i: f[base:] for i, f in feats.items()}
-        assert drafts[seq_id].token_ids[0] == reference_first_draft(probe.head, window,
-                                                                    history[base:])
+        first_draft(seq_id, n, n - 10)  # after a silence too
     finally:
         probe.end(seq_id)
 
