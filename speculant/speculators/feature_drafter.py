@@ -15,11 +15,16 @@ Terms used below:
   sequence asked to draft in one ragged head forward, and entry N-1's output hidden gives the
   round's first draft token (its LM head row). The forward is lazy: `process` only keeps the
   target's features, and `draft` computes the entries of the sequences it drafts for (as they
-  pile up, `process` computes them once PENDING_LIMIT are waiting, so a prompt's entries are
-  computed in its prefill step, not in the first decode step). A sequence the chain does not
-  ask this head to draft for (a model-free draft is better, or drafting does not pay) costs no
-  head forward per step: measured, the eager per-step forward made `eagle3` 0.86-0.97x plain
-  and the chain with it slower than without when the head rarely drafted.
+  pile up, `process` computes them once PENDING_LIMIT are waiting, for sequences the head
+  drafted for lately). A sequence the chain does not ask this head to draft for (a model-free
+  draft is better, or drafting does not pay) costs no head forward: measured, the eager
+  per-step forward made `eagle3` 0.86-0.97x plain and the chain with it slower than without
+  when the head rarely drafted; and computing the prompts and the piled-up entries of
+  sequences never asked still cost 3% at c=8. Such a *silent* sequence (never asked, or not
+  for SILENT_AFTER tokens) restarts on its newest HEAD_WINDOW entries when asked.
+- *further forwards*: a draft token after the first costs a head forward; it runs only where
+  the token could still join the draft and such forwards yield one often enough
+  (`continuation.py`).
 - *window*: when more than MAX_WAITING entries wait (a prompt chunk that long: in decode the
   PENDING_LIMIT flush keeps fewer waiting), the head's cache for the sequence restarts on the
   newest HEAD_WINDOW of them: head slot 0 is then target position `base`. RoPE makes attention
