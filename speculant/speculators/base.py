@@ -222,6 +222,9 @@ class Speculator(ABC):
     asking it by the rest. `catch_up_seconds`: how much of it went to reading history the
     drafter had not seen (a restarted window, tokens committed while it was not asked): paid
     once on resuming, not per drafted position, so the chain prices positions without it.
+    `first_seconds`: how much of it went to the first draft token of every sequence (the
+    first forward, catch-up included); the chain prices asking per call by it (`call_cost.py`).
+    None: the whole call.
     """
 
     name: ClassVar[str] = ""
@@ -230,6 +233,7 @@ class Speculator(ABC):
     is_model_based: ClassVar[bool] = False
     sunk_draft_seconds: float = 0.0
     catch_up_seconds: float = 0.0
+    first_seconds: float | None = None
 
     @abstractmethod
     def begin(self, seq_id: int, prompt_ids: list[int]) -> None:

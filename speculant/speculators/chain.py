@@ -9,7 +9,7 @@ is still scored (below), so no draft is verified just to keep an estimate honest
 drafter the chain stopped asking is asked for a one-token shadow draft after `probe_interval`
 silent rounds, then twice as late each time until one of its drafts is verified again, and
 all of a drafter's shadow drafts together take at most `PROBE_TIME_SHARE` of the time between
-the chain's rounds. `probe_interval` 0 switches back-off off: every proposal is verified (one token
+the chain's rounds, saved up to MAX_PROBE_CREDIT_S. `probe_interval` 0 switches back-off off: every proposal is verified (one token
 at least).
 
 Acceptance is bursty: a copy from the prompt runs for dozens of tokens, then nothing matches.
@@ -47,6 +47,7 @@ from speculant.speculators.calibration import (
     record_judged,
     value_of_first,
 )
+from speculant.speculators.call_cost import DraftCallCost
 from speculant.speculators.counters import AcceptanceCounters, total
 from speculant.speculators.base import (
     CommittedTokens,
@@ -88,6 +89,10 @@ FIRST_READS_PER_ROUND = 2
 # draft was never verified (0.955x plain with the tuner).
 SHADOW_DRAFTS_PER_ROUND = 2
 MAX_ROUND_GAP_S = 1.0
+# ... and what a drafter not probed meanwhile has saved of that share is at most this: a bench
+# runs every category on one engine, and the share saved at c=1, where the head was asked and
+# not probed, went to probes at c=8 (translation, 16 prompts: probes 2.3% of the run, not 1%)
+MAX_PROBE_CREDIT_S = 0.005
 
 
 def _silence(state: "_SeqState", history_len: int) -> int:
@@ -152,16 +157,19 @@ class SpeculatorChain:
         self._evidence = {name: _context_counters() for name in names}
         # per model drafter: acceptance by the probability it gave its tokens (calibration.py)
         self._calibration = {s.name: ProbCalibration() for s in speculators if s.is_model_based}
+        # per model drafter: what a first forward costs by the sequences asked (call_cost.py)
+        self._call_cost = {name: DraftCallCost() for name in self._calibration}
         # Wall time of the engine's steps, measured between draft rounds (the step-cost model's
         # plain estimate read 10x short on code_edit's 2,000-token contexts at c=8)
-        self._round_seconds = 0.0
         self._last_round: float | None = None
         # ... or, once an engine reports its steps (`observe_step`), their own time: the wall
         # time also held the other engines of an interleaved bench (five methods in 0.1 s
         # turns), which gave the 4-layer draft's shadow drafts ~5x their budget there (draft
         # share 3.8% against 2.3% run alone, qa at c=8 with the tuner)
         self._step_seconds: float | None = None
-        self._probe_seconds = {name: 0.0 for name in self._calibration}  # in shadow drafts
+        # per model drafter: shadow-draft time it may still spend (PROBE_TIME_SHARE of the
+        # steps' time, saved up to MAX_PROBE_CREDIT_S; negative after a dear probe)
+        self._probe_credit = {name: MAX_PROBE_CREDIT_S for name in self._calibration}
         # the last round's model drafters reading history they had missed (see
         # `Speculator.catch_up_seconds`): the tuner does not charge it to a probe of drafting
         self.round_catch_up_seconds = 0.0
@@ -231,12 +239,14 @@ class SpeculatorChain:
         proposals: dict[int, list[Draft]] = {r.seq_id: [] for r in requests}
         self.round_catch_up_seconds = 0.0
         now = self._clock()
+        gap = 0.0
         if self._step_seconds is not None:
-            self._round_seconds += self._step_seconds
-            self._step_seconds = 0.0
+            gap, self._step_seconds = self._step_seconds, 0.0
         elif self._last_round is not None:
-            self._round_seconds += min(now - self._last_round, MAX_ROUND_GAP_S)
+            gap = min(now - self._last_round, MAX_ROUND_GAP_S)
         self._last_round = now
+        for name, credit in self._probe_credit.items():
+            self._probe_credit[name] = min(MAX_PROBE_CREDIT_S, credit + PROBE_TIME_SHARE * gap)
         self._start_round(requests)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
@@ -251,11 +261,15 @@ class SpeculatorChain:
                 continue
             t0 = self._clock()
             spec.sunk_draft_seconds = spec.catch_up_seconds = 0.0
+            spec.first_seconds = None
             with self._timed(name, "draft"):
                 drafts = spec.draft(mine)
             if spec.is_model_based:
                 spent = max(0.0, self._clock() - t0 - spec.sunk_draft_seconds)
                 self._observe_draft_time(name, spent, spec.catch_up_seconds, mine, drafts)
+                first = spent if spec.first_seconds is None else spec.first_seconds
+                self._call_cost[name].observe(len(mine), max(
+                    0.0, first - spec.sunk_draft_seconds - spec.catch_up_seconds))
                 self.round_catch_up_seconds += spec.catch_up_seconds
             for r in mine:  # asked and silent: its next draft starts a new run
                 if len(drafts.get(r.seq_id) or ()) == 0:
@@ -334,14 +348,17 @@ class SpeculatorChain:
         first = None if cal is None else cal.first_rates()
         # every context, every sequence (needed only while first tokens do not price it yet)
         evidence = total(self._evidence[name]) if first is None else None
+        values = {} if first is None else {r.seq_id: value_of_first(
+            first, cost_per_token + max(0.0, rival[r.seq_id]), self._seqs[r.seq_id].calib[name].scale)
+            for r in requests}
+        asked = self._worth_asking(name, values, draft_cost, seconds_per_token)
         out, num_first_reads, num_shadows = [], 0, 0
         for r in requests:
             state = self._seqs[r.seq_id]
-            value = None if first is None else value_of_first(
-                first, cost_per_token + max(0.0, rival[r.seq_id]), state.calib[name].scale)
+            value = values.get(r.seq_id)
             run_floor = 0.0
             if value is not None:
-                n = r.params.n_max if value > draft_cost else 0
+                n = r.params.n_max if r.seq_id in asked else 0
                 run_floor = min(1.0, cost_per_token + draft_cost)
             else:
                 surv = self._survival_any_context(state, name, r.params.n_max,
@@ -376,12 +393,24 @@ class SpeculatorChain:
                     p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window)))
         return out
 
+    def _worth_asking(self, name: str, values: dict[int, float], draft_cost: float,
+                      seconds_per_token: float) -> set[int]:
+        """The sequences to ask `name` for first tokens, given each one's expected gain
+        (`values`, tokens' worth): once its call cost is known, the set with the best total
+        gain net of what a first forward for that many sequences costs (`call_cost.py`: the
+        sequences with the highest values, or none); before, those whose value beats the
+        per-position price `draft_cost`."""
+        call = self._call_cost[name]
+        if not call.known or seconds_per_token <= 0:
+            return {seq_id for seq_id, v in values.items() if v > draft_cost}
+        return set(best_ask_set(values, lambda k: call.seconds(k) / seconds_per_token))
+
     def _may_probe(self, name: str, seconds_per_token: float) -> bool:
         """Whether `name`'s shadow drafts are within their share of the time between rounds
         (always without back-off, or while a plain token's time is unknown: the drafter cannot
         be priced then). A round's due probes all go: they share a call."""
         return self.probe_interval == 0 or seconds_per_token <= 0 or \
-            self._probe_seconds[name] <= PROBE_TIME_SHARE * self._round_seconds
+            self._probe_credit[name] > 0.0
 
     def _observe_draft_time(self, name: str, seconds: float, catch_up_seconds: float,
                             requests: list[DraftRequest], drafts: dict[int, Draft]) -> None:
@@ -392,7 +421,7 @@ class SpeculatorChain:
         ms, ~10x a drafted position at c=8, and kept the drafter priced out for good.)"""
         windowed = sum(r.params.context_tokens > 0 for r in requests)
         if windowed:
-            self._probe_seconds[name] += seconds * windowed / len(requests)
+            self._probe_credit[name] -= seconds * windowed / len(requests)
         num_positions = sum(len(d) for d in drafts.values())
         if num_positions > 0:  # EMA of seconds per drafted (sequence, position)
             per = max(0.0, seconds - catch_up_seconds) / num_positions
@@ -511,6 +540,18 @@ class SpeculatorChain:
 
     def _timed(self, name: str, call: str):
         return _CallTimer(self.stats[name], call)
+
+
+def best_ask_set(values: dict[int, float], cost_of) -> list[int]:
+    """The keys of `values` whose asking gains most in total net of `cost_of(k)` (the cost of
+    asking k of them): the k highest values for the best k, or none when no k gains."""
+    ranked = sorted(values, key=values.__getitem__, reverse=True)
+    best_k, best_gain, gain = 0, 0.0, 0.0
+    for k, seq_id in enumerate(ranked, start=1):
+        gain += values[seq_id]
+        if gain - cost_of(k) > best_gain:
+            best_k, best_gain = k, gain - cost_of(k)
+    return ranked[:best_k]
 
 
 def _rate_for_expected(expected: float, length: int) -> float:

@@ -164,7 +164,8 @@ class DraftModelSpeculator(Speculator):
             if rows is None:
                 break
             if first:  # rows beyond the one that yields each first position: catching up
-                self.catch_up_seconds = (time.perf_counter() - t0) * _catch_up_share(chunks)
+                self.first_seconds = time.perf_counter() - t0
+                self.catch_up_seconds = self.first_seconds * _catch_up_share(chunks)
                 first = False
             next_chunks = []
             for chunk, logits in zip(chunks, rows):

@@ -356,6 +356,7 @@ class FeatureDrafter(Speculator):
         if ready:
             last = torch.cat([self._seqs[r.seq_id].last for r in ready])  # [S, hidden]
             out = self.head.draft_logits(last), last
+        self.first_seconds = time.perf_counter() - t0
         while chunks and out is not None:
             chunks, inputs = self._extend(chunks, out, by_id, grown)
             out = self._forward(chunks, torch.cat(inputs)) if chunks else None

@@ -612,3 +612,69 @@ def test_an_unpriced_model_drafter_is_first_asked_for_a_few_new_sequences_a_roun
         chain.draft(reqs, cost_per_token=0.05, seconds_per_token=0.01)
         if probe_interval:  # the two read before, and two more
             assert model.asked[1][:2] == model.asked[0] and len(model.asked[1]) == 4
+
+
+class SureModel(Fixed):
+    """A model drafter always right with probability 0.95 whose call costs `call_s` of the
+    clock however many sequences it drafts for (its weights read once per call)."""
+
+    is_model_based = True
+
+    def __init__(self, clock, call_s):
+        super().__init__("model", [])
+        self.clock, self.call_s, self.calls = clock, call_s, []
+
+    def draft(self, requests):
+        self.clock.now += self.call_s
+        self.calls.append(len(requests))
+        return {r.seq_id: Draft([4], token_probs=[0.95]) for r in requests}
+
+
+def test_a_model_drafter_is_asked_where_its_call_pays_for_all_sequences_together():
+    """Once a call costs two plain tokens whatever it drafts for (its weights read once), and
+    each sure first token gains ~0.7 of a token after its verification, eight sequences pay
+    for the call and two do not: the chain stops asking for two (priced per drafted position,
+    after calls for eight, two sequences each looked worth asking)."""
+    clock = FakeClock()
+    model = SureModel(clock, call_s=0.001)
+    chain = SpeculatorChain([model], probe_interval=10 ** 6, clock=clock)
+    for s in range(8):
+        chain.begin(s, [1, 2, 3], ("model",))
+
+    def round_(seqs):
+        winners = chain.draft([request(s, n_max=1) for s in seqs], cost_per_token=0.3,
+                              seconds_per_token=0.01)
+        for s in winners:
+            chain.accept(s, 1)
+        return len(winners)
+
+    for _ in range(10):  # cheap calls: the calibration learns the drafter is sure and right
+        round_(range(8))
+    model.call_s = 0.02
+    for _ in range(30):  # dear calls, for eight and for two sequences
+        round_(range(8))
+        round_([0, 1])
+    for _ in range(10):
+        assert round_(range(8)) == 8
+        before = len(model.calls)
+        assert round_([0, 1]) == 0
+        assert len(model.calls) == before  # not asked at all for two
+
+
+def test_shadow_time_saved_while_not_probing_is_capped():
+    """A drafter not probed for a long time (100 s of steps: asked, or on another workload)
+    does not spend that time's share at once when it stops paying: its probes stay within
+    PROBE_TIME_SHARE of the steps after, plus MAX_PROBE_CREDIT_S saved and one round's."""
+    from speculant.speculators.chain import MAX_PROBE_CREDIT_S, PROBE_TIME_SHARE
+
+    text = list(range(100, 400))
+    clock = FakeClock()
+    model = Hopeless("model", clock, seconds_per_ask=0.012)
+    chain = SpeculatorChain([model], clock=clock)
+    for _ in range(100):
+        chain.observe_step(1.0)
+    num_rounds, step_s = 200, 8 * 0.0026
+    run_sequences(chain, 8, num_rounds, 0.0026, text, clock, report_steps=True)
+    spent = clock.now - num_rounds * step_s
+    assert 0 < spent <= PROBE_TIME_SHARE * (num_rounds * step_s + spent) + MAX_PROBE_CREDIT_S \
+        + 8 * 0.012
