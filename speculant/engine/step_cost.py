@@ -7,7 +7,38 @@ extra verified row costs `per_token * S / (fixed + per_token * S)` tokens' worth
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class LineSums:
+    """Exponentially weighted sums of observations (x, t) for a least-squares line t = a + b x:
+    the weight w, and the sums of x, t, x^2 and x t. Shared by the step-cost model and
+    `speculators/call_cost.py`."""
+
+    w: float = 0.0
+    x: float = 0.0
+    t: float = 0.0
+    xx: float = 0.0
+    xt: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, t: float, decay: float) -> None:
+        self.w = decay * self.w + 1.0
+        self.x = decay * self.x + x
+        self.t = decay * self.t + t
+        self.xx = decay * self.xx + x * x
+        self.xt = decay * self.xt + x * t
+        self.count += 1
+
+    def line(self, min_spread: float) -> tuple[float, float] | None:
+        """(a, b) of the weighted least-squares line, or None while x has no spread (relative
+        variance below `min_spread`)."""
+        var = self.w * self.xx - self.x * self.x
+        if self.w <= 0 or var <= min_spread * max(1.0, self.w * self.xx):
+            return None
+        b = (self.w * self.xt - self.x * self.t) / var
+        return (self.t - b * self.x) / self.w, b
 
 
 @dataclass(slots=True)
@@ -16,31 +47,22 @@ class StepCostModel:
     per_token_s: float = 4e-4
     decay: float = 0.98  # weight of the past per new observation
     min_observations: int = 8
-    # Exponentially weighted sums for the fit t = a + b n.
-    _w: float = 0.0
-    _n: float = 0.0
-    _t: float = 0.0
-    _nn: float = 0.0
-    _nt: float = 0.0
-    _count: int = 0
+    _sums: LineSums = field(default_factory=LineSums)
+
+    @property
+    def num_observations(self) -> int:
+        return self._sums.count
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._n = d * self._n + num_tokens
-        self._t = d * self._t + seconds
-        self._nn = d * self._nn + num_tokens * num_tokens
-        self._nt = d * self._nt + num_tokens * seconds
-        self._count += 1
-        if self._count >= self.min_observations:
+        self._sums.add(num_tokens, seconds, self.decay)
+        if self._sums.count >= self.min_observations:
             self._refit()
 
     def _refit(self) -> None:
-        var = self._w * self._nn - self._n * self._n
-        if var <= 1e-9 * max(1.0, self._w * self._nn):
+        fit = self._sums.line(1e-9)
+        if fit is None:
             return  # all steps had the same size: slope not identifiable yet
-        b = (self._w * self._nt - self._n * self._t) / var
-        a = (self._t - b * self._n) / self._w
+        a, b = fit
         if b > 0 and a > 0:
             self.per_token_s, self.fixed_s = b, a
 

@@ -14,7 +14,9 @@ the mean call prices each sequence (fixed 0).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from speculant.engine.step_cost import LineSums
 
 
 @dataclass(slots=True)
@@ -23,46 +25,34 @@ class DraftCallCost:
     min_calls: int = 4  # calls seen before the fit prices anything
     fixed_s: float = 0.0
     per_seq_s: float = 0.0
-    _w: float = 0.0
-    _n: float = 0.0
-    _t: float = 0.0
-    _nn: float = 0.0
-    _nt: float = 0.0
-    _count: int = 0
+    _sums: LineSums = field(default_factory=LineSums)
 
     @property
     def known(self) -> bool:
-        return self._count >= self.min_calls
+        return self._sums.count >= self.min_calls
 
     def observe(self, num_seqs: int, seconds: float) -> None:
         if num_seqs <= 0:
             return
-        d = self.decay
-        self._w = d * self._w + 1.0
-        self._n = d * self._n + num_seqs
-        self._t = d * self._t + seconds
-        self._nn = d * self._nn + num_seqs * num_seqs
-        self._nt = d * self._nt + num_seqs * seconds
-        self._count += 1
-        self.fixed_s, self.per_seq_s = fit_call_cost(self._w, self._n, self._t, self._nn, self._nt)
+        self._sums.add(num_seqs, seconds, self.decay)
+        self.fixed_s, self.per_seq_s = fit_call_cost(self._sums)
 
     def seconds(self, num_seqs: int) -> float:
         """Expected time of a first forward for `num_seqs` sequences (0 for none)."""
         return self.fixed_s + self.per_seq_s * num_seqs if num_seqs > 0 else 0.0
 
 
-def fit_call_cost(w: float, n: float, t: float, nn: float, nt: float) -> tuple[float, float]:
-    """(fixed, per_seq) from weighted sums of calls (w), sequences (n), seconds (t), n^2 and n*t.
-    Without spread in n, or with a fit that reads a negative part, the mean time per sequence
+def fit_call_cost(sums: LineSums) -> tuple[float, float]:
+    """(fixed, per_seq) from the calls' weighted sums (x: sequences asked, t: seconds).
+    Without spread in x, or with a fit that reads a negative part, the mean time per sequence
     (fixed 0): a cost never reads below what was measured on average."""
-    if w <= 0 or n <= 0:
+    if sums.w <= 0 or sums.x <= 0:
         return 0.0, 0.0
-    var = w * nn - n * n
-    if var > 1e-6 * w * nn:
-        b = (w * nt - n * t) / var
-        a = (t - b * n) / w
+    fit = sums.line(1e-6)
+    if fit is not None:
+        a, b = fit
         if a >= 0 and b >= 0:
             return a, b
         if b < 0:  # more sequences never cost less: a flat call
-            return t / w, 0.0
-    return 0.0, t / n
+            return sums.t / sums.w, 0.0
+    return 0.0, sums.t / sums.x

@@ -166,6 +166,6 @@ def test_reset_stats_forgets_the_fitted_step_cost(default_engine):
     from speculant.engine.step_cost import StepCostModel
 
     run(default_engine, PROMPTS[:2], SamplingParams(max_tokens=24, temperature=0.0))
-    assert default_engine.cost._count > 0
+    assert default_engine.cost.num_observations > 0
     default_engine.reset_stats()
     assert default_engine.cost == StepCostModel()

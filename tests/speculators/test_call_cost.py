@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from speculant.engine.step_cost import LineSums
 from speculant.speculators.call_cost import DraftCallCost, fit_call_cost
 from speculant.speculators.chain import best_ask_set
 
@@ -32,12 +33,12 @@ def test_one_sequence_per_call_prices_the_mean_call():
 
 @pytest.mark.parametrize("sums", [(3, 6, 0.03, 14, 0.07), (4, 4, 0.02, 4, 0.02), (0, 0, 0, 0, 0)])
 def test_fit_never_reads_a_negative_part(sums):
-    a, b = fit_call_cost(*sums)
+    a, b = fit_call_cost(LineSums(*sums))
     assert a >= 0 and b >= 0
 
 
 def test_calls_costlier_for_fewer_sequences_read_flat():
-    a, b = fit_call_cost(2, 9, 0.004, 65, 0.014)  # 1 seq: 3 ms, 8 seqs: 1 ms
+    a, b = fit_call_cost(LineSums(2, 9, 0.004, 65, 0.014))  # 1 seq: 3 ms, 8 seqs: 1 ms
     assert b == 0 and a == pytest.approx(0.002)
 
 
