@@ -70,8 +70,8 @@ class FeatureDrafterConfig:
     - kv_cache_tokens, kv_dtype, block_size: the head's paged KV cache (all sequences).
     - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their distribution.
     - seed: of draft sampling.
-    - weights: how the head's matrices run: q8_0 (packed, the target's native kernels; auto
-      picks it on the CPU), or float32 as loaded.
+    - weights: how the head's matrices run: q4_1, q4_0 or q8_0 (packed, the target's native
+      kernels; auto picks q4_1 on the CPU: `models/packed_head.py`), or float32 as loaded.
     """
 
     head: str = ""
@@ -197,8 +197,9 @@ class FeatureDrafter(Speculator):
                              f"give one with --spec-option {cls.name}.head=PATH")
         head = cls.load_head(path, ctx.target).to(ctx.device).eval()
         config.head = path
-        if resolve_head_weights(config.weights, ctx.device) == "q8_0":
-            pack_linears(head, "q8_0")
+        qtype = resolve_head_weights(config.weights, ctx.device)
+        if qtype != "float32":
+            pack_linears(head, qtype)
         return cls(ctx, config, head, ctx.target)
 
     @classmethod
