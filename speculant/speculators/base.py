@@ -224,7 +224,8 @@ class Speculator(ABC):
     once on resuming, not per drafted position, so the chain prices positions without it.
     `first_seconds`: how much of it went to the first draft token of every sequence (the
     first forward, catch-up included); the chain prices asking per call by it (`call_cost.py`).
-    None: the whole call.
+    None: the whole call. `catch_up_rows`: how many revived rows (`revival_rows`) the last
+    call's `catch_up_seconds` computed.
     """
 
     name: ClassVar[str] = ""
@@ -233,7 +234,13 @@ class Speculator(ABC):
     is_model_based: ClassVar[bool] = False
     sunk_draft_seconds: float = 0.0
     catch_up_seconds: float = 0.0
+    catch_up_rows: int = 0
     first_seconds: float | None = None
+
+    def revival_rows(self, seq_id: int) -> int:
+        """Rows a draft for `seq_id` would compute now only because the drafter stopped
+        following it (priced per sequence by the chain, `call_cost.py`); 0 by default."""
+        return 0
 
     @abstractmethod
     def begin(self, seq_id: int, prompt_ids: list[int]) -> None:

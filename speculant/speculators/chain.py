@@ -261,7 +261,7 @@ class SpeculatorChain:
                 continue
             t0 = self._clock()
             spec.sunk_draft_seconds = spec.catch_up_seconds = 0.0
-            spec.first_seconds = None
+            spec.catch_up_rows, spec.first_seconds = 0, None
             with self._timed(name, "draft"):
                 drafts = spec.draft(mine)
             if spec.is_model_based:
@@ -270,6 +270,7 @@ class SpeculatorChain:
                 first = spent if spec.first_seconds is None else spec.first_seconds
                 self._call_cost[name].observe(len(mine), max(
                     0.0, first - spec.sunk_draft_seconds - spec.catch_up_seconds))
+                self._call_cost[name].observe_revival(spec.catch_up_rows, spec.catch_up_seconds)
                 self.round_catch_up_seconds += spec.catch_up_seconds
             for r in mine:  # asked and silent: its next draft starts a new run
                 if len(drafts.get(r.seq_id) or ()) == 0:
@@ -350,7 +351,7 @@ class SpeculatorChain:
         evidence = total(self._evidence[name]) if first is None else None
         values = {} if first is None else {r.seq_id: value_of_first(
             first, cost_per_token + max(0.0, rival[r.seq_id]), self._seqs[r.seq_id].calib[name].scale)
-            for r in requests}
+            - self._revival_cost(name, r.seq_id, seconds_per_token) for r in requests}
         asked = self._worth_asking(name, values, draft_cost, seconds_per_token)
         out, num_first_reads, num_shadows = [], 0, 0
         for r in requests:
@@ -392,6 +393,14 @@ class SpeculatorChain:
                     n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min,
                     p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window)))
         return out
+
+    def _revival_cost(self, name: str, seq_id: int, seconds_per_token: float) -> float:
+        """Tokens' worth of the rows asking `name` for `seq_id` would compute only because it
+        stopped following the sequence (`call_cost.py`)."""
+        if seconds_per_token <= 0:
+            return 0.0
+        rows = self.speculators[name].revival_rows(seq_id)
+        return self._call_cost[name].revival_seconds(rows) / seconds_per_token if rows else 0.0
 
     def _worth_asking(self, name: str, values: dict[int, float], draft_cost: float,
                       seconds_per_token: float) -> set[int]:

@@ -114,16 +114,6 @@ SILENT_AFTER = PENDING_LIMIT
 FORWARD_FIXED_ROWS = 30
 
 
-def sunk_share(num_rows: int, num_seqs: int) -> float:
-    """Share of a forward over the committed entries of `num_seqs` sequences (`num_rows` in
-    all) that `process` would spend anyway: the rows beyond each sequence's newest, which its
-    batched forwards compute once PENDING_LIMIT wait. The rest (the weights read for this
-    forward, the row that yields the first draft token) is the price of asking for a draft.
-    (Priced with every row, a head asked rarely looked dear and was asked rarer; priced with
-    none, at c=8 on mt_bench the head was asked where its drafts cost more than they saved.)"""
-    return max(0, num_rows - num_seqs) / (FORWARD_FIXED_ROWS + num_rows) if num_rows else 0.0
-
-
 @dataclass(slots=True)
 class _SeqState:
     base: int = 0  # the target position of head slot 0 (> 0 after a window restart)
@@ -341,13 +331,13 @@ class FeatureDrafter(Speculator):
         waiting entries, or kept by `process`); each further token is one batched forward of
         draft entries fed with the head's own hidden."""
         t0 = time.perf_counter()
+        revived = {r.seq_id for r in requests if self.revival_rows(r.seq_id)}
         for r in requests:
             self._resume(r)
         pending = [c for c in (self._pending_chunk(r) for r in requests if r.params.n_max > 0)
                    if c is not None]
         self._compute_committed(pending)
-        self.sunk_draft_seconds = (time.perf_counter() - t0) * sunk_share(
-            sum(len(c.token_ids) for c in pending), len(pending))
+        self._share_catch_up(time.perf_counter() - t0, pending, revived)
         ready = [r for r in requests if self._can_draft(r)]
         grown: dict[int, DraftBuilder] = {r.seq_id: DraftBuilder() for r in ready}
         by_id = {r.seq_id: r for r in requests}
@@ -365,6 +355,32 @@ class FeatureDrafter(Speculator):
             self.cache.truncate(r.seq_id, self._seqs[r.seq_id].cached_len)
         return {seq_id: g.to_draft() for seq_id, g in grown.items()
                 if len(g.ids) >= max(1, by_id[seq_id].params.n_min)}
+
+    def revival_rows(self, seq_id: int) -> int:
+        """A silent sequence (never asked, or not lately) restarts on its newest HEAD_WINDOW
+        waiting entries when asked: rows a followed sequence would not need."""
+        state = self._state(seq_id)
+        if not self._is_silent(state):
+            return 0
+        return min(len(state.tokens), HEAD_WINDOW)
+
+    def _share_catch_up(self, seconds: float, pending: list[SeqChunk], revived: set[int]) -> None:
+        """Split the catch-up forward's `seconds` by rows (a forward over n rows costs about
+        FORWARD_FIXED_ROWS + n one-row times). Sunk: the rows beyond each followed sequence's
+        newest, which its batched forwards in `process` compute anyway once PENDING_LIMIT
+        wait. Catch-up: a revived sequence's (`revival_rows`), a cost of asking it. The rest
+        (the weights read for this forward, each sequence's newest row, which yields its first
+        draft token) is the price of the call. (Priced with every row, a head asked rarely
+        looked dear and was asked rarer: math_reasoning at c=1 fell from 1.17x to 0.98x plain;
+        priced with none, at c=8 on mt_bench the head was asked where its drafts cost more
+        than they saved.)"""
+        num_rows = sum(len(c.token_ids) for c in pending)
+        old_rows = {c.seq_id: len(c.token_ids) - 1 for c in pending}
+        revived_rows = sum(n for seq_id, n in old_rows.items() if seq_id in revived)
+        per_row = seconds / (FORWARD_FIXED_ROWS + num_rows) if num_rows else 0.0
+        self.sunk_draft_seconds = per_row * (sum(old_rows.values()) - revived_rows)
+        self.catch_up_seconds = per_row * revived_rows
+        self.catch_up_rows = revived_rows
 
     def _resume(self, r: DraftRequest) -> None:
         """A silent sequence asked (again) restarts on its newest HEAD_WINDOW entries."""

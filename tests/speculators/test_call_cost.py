@@ -51,3 +51,16 @@ def test_best_ask_set_pays_for_the_call_together_or_not_at_all():
     mixed = {0: 0.9, 1: 0.8, 2: 0.02, 3: 0.01}
     assert sorted(best_ask_set(mixed, call)) == [0, 1]
     assert best_ask_set({}, call) == []
+
+
+def test_revived_rows_are_priced_at_their_mean_time_spread_over_the_asks():
+    from speculant.speculators.call_cost import REVIVAL_ASKS
+
+    cost = DraftCallCost()
+    assert cost.revival_seconds(128) == 0.0  # no revival timed yet
+    cost.observe_revival(0, 1.0)  # a call that revived nothing teaches nothing
+    assert cost.row_s == 0.0
+    for _ in range(30):
+        cost.observe_revival(100, 0.004)
+    assert cost.row_s == pytest.approx(4e-5, rel=1e-6)
+    assert cost.revival_seconds(128) == pytest.approx(128 * 4e-5 / REVIVAL_ASKS, rel=1e-6)

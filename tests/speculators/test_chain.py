@@ -661,6 +661,50 @@ def test_a_model_drafter_is_asked_where_its_call_pays_for_all_sequences_together
         assert len(model.calls) == before  # not asked at all for two
 
 
+class RevivingModel(SureModel):
+    """A SureModel that stopped following the sequences `silent`: asking one of them also
+    computes ROWS skipped rows at `row_s` each (a feature drafter's restart window)."""
+
+    ROWS = 128
+
+    def __init__(self, clock, call_s, row_s, silent):
+        super().__init__(clock, call_s)
+        self.row_s, self.silent = row_s, set(silent)
+
+    def revival_rows(self, seq_id):
+        return self.ROWS if seq_id in self.silent else 0
+
+    def draft(self, requests):
+        rows = sum(self.revival_rows(r.seq_id) for r in requests)
+        self.clock.now += rows * self.row_s
+        self.catch_up_rows, self.catch_up_seconds = rows, rows * self.row_s
+        return super().draft(requests)
+
+
+def test_a_sequence_the_drafter_must_revive_is_asked_only_where_its_rows_pay():
+    """Sure first tokens gain ~0.65 of a token; reviving a silent sequence costs 128 rows of
+    0.5 ms (6.4 plain tokens, 1.6 per ask once spread over REVIVAL_ASKS): once a revival has
+    been timed, the followed sequences are still asked and the silent ones are not (priced
+    as sunk, every sequence was asked, and at c=8 on mt_bench the head's catch-up was 0.3 s
+    of its 0.54 s)."""
+    from speculant.speculators.call_cost import REVIVAL_ASKS
+
+    clock = FakeClock()
+    model = RevivingModel(clock, call_s=0.001, row_s=0.0005, silent=range(4, 8))
+    chain = SpeculatorChain([model], probe_interval=10 ** 6, clock=clock)
+    for s in range(8):
+        chain.begin(s, [1, 2, 3], ("model",))
+    for _ in range(12):
+        model.calls.clear()
+        winners = chain.draft([request(s, n_max=1) for s in range(8)], cost_per_token=0.3,
+                              seconds_per_token=0.01)
+        for s in winners:
+            chain.accept(s, 1)
+    assert model.ROWS * 0.0005 / REVIVAL_ASKS / 0.01 > 1.0  # the premise: dearer than a token
+    assert sorted(winners) == [0, 1, 2, 3]
+    assert model.calls == [4]
+
+
 def test_shadow_time_saved_while_not_probing_is_capped():
     """A drafter not probed for a long time (100 s of steps: asked, or on another workload)
     does not spend that time's share at once when it stops paying: its probes stay within

@@ -322,6 +322,37 @@ def test_a_silent_sequence_costs_no_forward_and_resumes_on_a_short_window(eagle_
 
 
 @torch.inference_mode()
+def test_a_silent_sequence_reports_the_rows_its_revival_computes(eagle_engine, monkeypatch):
+    """Never asked (or not lately), a sequence costs its waiting entries up to HEAD_WINDOW
+    when asked, and the draft call books their share of the forward as catch-up; once asked
+    and followed it costs none (its rows are computed anyway)."""
+    from speculant.llm import LLM
+    from speculant.speculators import feature_drafter
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+
+    monkeypatch.setattr(feature_drafter, "HEAD_WINDOW", 10)
+    engine = eagle_engine
+    probe = engine.speculator(engine.speculator_names[0])
+    tok = engine.tokenizer
+    history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(" Blue, like the sky.")
+    n = len(history) - 1
+    feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
+    seq_id = 10**6 + 9
+    probe.begin(seq_id, history[:n])
+    try:
+        probe.process([CommittedTokens(seq_id, 0, history[:n], history[n], feats)])
+        assert n > 10 and probe.revival_rows(seq_id) == 10
+        probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=1))])
+        assert probe.catch_up_rows == 9  # the window's rows before its newest
+        assert 0 < probe.catch_up_seconds and probe.sunk_draft_seconds == 0.0
+        probe.process([CommittedTokens(seq_id, n, [history[n]], 42,
+                                       {i: f[-1:] for i, f in feats.items()})])
+        assert probe.revival_rows(seq_id) == 0  # followed now
+    finally:
+        probe.end(seq_id)
+
+
+@torch.inference_mode()
 def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
     """More than MAX_WAITING waiting entries (a long prompt chunk) restart the head's cache on the newest
     HEAD_WINDOW: the draft is then the head's answer for a sequence that starts at the
