@@ -113,7 +113,6 @@ class HeadTrainConfig:
         if self.data_dir is None:
             self.data_dir = os.path.join(self.out, CACHE_DIRNAME)
 
-
     def _check_train_prompts(self) -> None:
         """--train-prompts must be readable and hold none of the held-out categories."""
         from speculant.data.prompt_set import read_prompts
