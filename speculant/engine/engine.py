@@ -33,7 +33,7 @@ from speculant.engine.scheduler import Scheduler
 from speculant.engine.sequence import Sequence
 from speculant.engine.state_rounds import StateRounds
 from speculant.speculators.base import (CommittedTokens, Draft, DraftParams, DraftRequest, Speculator,
-                                        SpeculatorContext, SpeculatorStats, TargetView)
+                                        SpeculatorContext, SpeculatorStats, StepFeatures, TargetView)
 from speculant.speculators.chain import SpeculatorChain
 from speculant.speculators.factory import create_speculators
 from speculant.engine.step_cost import StepCostModel
@@ -437,6 +437,7 @@ class Engine:
         logits, cu_num_logits = out.logits, batch.cu_num_logits
         argmax = self._batched_argmax(step, logits)
         updates, committed = [], []
+        features = StepFeatures(out.hidden_states) if out.hidden_states else None
         seqs = [s for s, _ in step.prefill] + step.decode
         for row, (seq, chunk) in enumerate(zip(seqs, chunks)):
             if seq.is_finished:  # aborted while the forward ran
@@ -448,7 +449,7 @@ class Engine:
                 self._advance_kv(seq, chunk.start_pos + len(chunk.token_ids))
                 if not seq.is_prefilling:  # recomputed after a preemption: next token known
                     committed[-1].next_token_id = seq.token_ids[-1]
-                self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
+                self._keep_features(seq, committed[-1], features, batch.cu_num_tokens[row])
                 continue
             draft = drafts.get(seq.seq_id)
             try:
@@ -459,13 +460,15 @@ class Engine:
                 self._advance_kv(seq, chunk.start_pos + num_kept)
                 committed[-1].token_ids = chunk.token_ids[:num_kept]
                 committed[-1].next_token_id = result.token_ids[-1]
-                self._keep_features(seq, committed[-1], out.hidden_states, batch.cu_num_tokens[row])
+                self._keep_features(seq, committed[-1], features, batch.cu_num_tokens[row])
                 if not is_prefill:
                     seq.spec.record_step()
                 if draft is not None:
                     seq.spec.record(draft.source, len(draft), result.num_accepted)
                     self.chain.accept(seq.seq_id, result.num_accepted)
                 updates.append(self._append(seq, result.token_ids))
+                if seq.capture_layers and seq.is_finished:
+                    _trim_captured(seq)
             except Exception:  # sampling, drafting or detokenization: only this request fails
                 updates.append(self._fail(seq))
         active = {s.seq_id for s in seqs if s.spec_types and not s.is_finished}
@@ -485,15 +488,15 @@ class Engine:
         return StepUpdate(seq, [], True)
 
     def _keep_features(self, seq: Sequence, committed: CommittedTokens,
-                       hidden: dict[int, torch.Tensor], first_row: int) -> None:
+                       features: StepFeatures | None, first_row: int) -> None:
         """Hand the committed rows' target features to the speculators (through `committed`)
         and to the request if it asked for them; rejected rows are dropped here, with the KV."""
-        if not hidden:
+        if features is None:
             return
+        committed.step_features, committed.feature_row = features, first_row
         rows = slice(first_row, first_row + len(committed.token_ids))
-        committed.hidden_states = {i: h[rows] for i, h in hidden.items()}  # views, [n, hidden]
         for i in seq.capture_layers:
-            seq.captured[i].append(hidden[i][rows].clone())
+            seq.captured[i].append(features.by_layer[i][rows].clone())
 
     def _batched_argmax(self, step, logits: torch.Tensor) -> list[int] | None:
         """Argmax of every logits row in one op and one host sync, when greedy rows need it."""
@@ -611,6 +614,19 @@ def _check_same_target(shared: EngineConfig, config: EngineConfig) -> None:
         if getattr(shared, field) != getattr(config, field):
             raise ValueError(f"an engine sharing a loaded model cannot change its {field} "
                              f"({getattr(shared, field)!r} -> {getattr(config, field)!r})")
+
+
+def _trim_captured(seq: Sequence) -> None:
+    """A stop inside an accepted draft ends the output before tokens the target already
+    read: their rows go too, so the captured features keep one row per token but the last
+    (a stop token drafted and accepted mid-draft made them longer, when drafts ran past it)."""
+    num_rows = sum(r.shape[0] for r in seq.captured[seq.capture_layers[0]])
+    excess = num_rows - (len(seq.token_ids) - 1)
+    if excess <= 0:
+        return
+    for i in seq.capture_layers:
+        last = seq.captured[i][-1]  # the excess rows are all this step's
+        seq.captured[i][-1] = last[:last.shape[0] - excess]
 
 
 def _fast_greedy(params: SamplingParams) -> bool:

@@ -19,7 +19,7 @@ Vocabulary used throughout:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 import torch
@@ -171,12 +171,53 @@ class CommittedTokens:
     # The token the target sampled after these (not committed yet: the next step's first
     # input); None for a prompt chunk that is not the prompt's last.
     next_token_id: int | None = None
-    # Target features for model drafters (EAGLE-3, MTP, DFlash): layer -> the residual stream
-    # after that target layer at each of these tokens, [len(token_ids), hidden_size] (row i was
-    # computed reading token_ids[i]; it predicts the token after it). Holds the layers some
-    # speculator asked for (`Speculator.hidden_layers`), else None. Views into the step's
-    # buffers: copy what you keep.
-    hidden_states: dict[int, torch.Tensor] | None = None
+    # Target features for model drafters (EAGLE-3, MTP, DFlash): the step's captured layers
+    # (`StepFeatures`, the layers some speculator asked for: `Speculator.hidden_layers`; None
+    # when none did) and the row of token_ids[0] in them. Read them with `hidden_states` or
+    # `features(layers)`. A dict layer -> [len(token_ids), hidden_size] is taken as the
+    # features of these tokens alone.
+    step_features: StepFeatures | dict[int, torch.Tensor] | None = None
+    feature_row: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step_features, dict):
+            self.step_features, self.feature_row = StepFeatures(self.step_features), 0
+
+    @property
+    def hidden_states(self) -> dict[int, torch.Tensor] | None:
+        """layer -> the residual stream after that target layer at each of these tokens,
+        [len(token_ids), hidden_size] (row i was computed reading token_ids[i]; it predicts the
+        token after it); None without features. Views into the step's tensors."""
+        if self.step_features is None:
+            return None
+        rows = slice(self.feature_row, self.feature_row + len(self.token_ids))
+        return {i: h[rows] for i, h in self.step_features.by_layer.items()}
+
+    def features(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """[len(token_ids), len(layers) * hidden_size] these tokens' features at `layers`, side
+        by side in that order (a view of the step's fused tensor: one concatenation per step
+        for the whole batch, not one per sequence)."""
+        fused = self.step_features.fused(layers)
+        return fused[self.feature_row:self.feature_row + len(self.token_ids)]
+
+
+@dataclass(slots=True)
+class StepFeatures:
+    """What one target forward captured for every row of its batch: layer -> [T, hidden]
+    (fresh tensors of that step, never written again), and their concatenations per layer set
+    (`fused`), made once for all the step's sequences. (Concatenated per sequence and step,
+    with a dict of per-layer views built per sequence, keeping the features of a head that was
+    not asked cost ~15 us per sequence and step at c=8.)"""
+
+    by_layer: dict[int, torch.Tensor]
+    _fused: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    def fused(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """[T, len(layers) * hidden] the layers side by side in `layers` order."""
+        out = self._fused.get(layers)
+        if out is None:
+            out = self._fused[layers] = torch.cat([self.by_layer[i] for i in layers], dim=-1)
+        return out
 
 
 @dataclass(slots=True)

@@ -109,6 +109,10 @@ HEAD_WINDOW = 128
 # on 32, the head drafted worse after each silence: qa at c=1 accepted 1.33 tokens per step
 # against 1.42, and was asked less, so fell silent more.)
 SILENT_AFTER = PENDING_LIMIT
+# Waiting features are views of their steps' tensors (every sequence's rows of a step,
+# `StepFeatures`); past this many a sequence joins its newest views into one tensor of its
+# own, so it keeps at most this many steps' tensors alive, not those of its 256 waiting rows
+MAX_FEATURE_PARTS = 16
 # A head forward over n rows takes about FORWARD_FIXED_ROWS + n one-row times: reading the
 # weights, not the rows, sets a small forward's time (64 rows ~ three 1-row forwards)
 FORWARD_FIXED_ROWS = 30
@@ -121,26 +125,42 @@ class _SeqState:
     # the target's captured features (not fused yet) of slots cached_len..cached_len+n-1, as
     # row blocks [n_i, n_feat * hidden] joined only when read (joined at every step, the
     # waiting rows were copied over and over: O(n^2) per PENDING_LIMIT tokens), and the
-    # committed tokens at those slots
+    # committed tokens at those slots. The last `num_views` blocks are views of their steps'
+    # tensors (`StepFeatures`), the others tensors of this sequence's own.
     feature_parts: list[torch.Tensor] = field(default_factory=list)
+    num_views: int = 0
     tokens: list[int] = field(default_factory=list)
     next_token: int | None = None  # the token after them, when the target sampled it
     # the history length the head was last asked to draft after (None: never asked)
     asked_len: int | None = None
+    # [1, hidden] output of the newest committed entry: the source of the next round's first
+    # draft token; None when it is not computed
+    last: torch.Tensor | None = None
 
     def features(self) -> torch.Tensor:
         """[n, n_feat * hidden] the waiting entries' features, as one tensor."""
         if len(self.feature_parts) > 1:
-            self.feature_parts = [torch.cat(self.feature_parts)]
+            self.feature_parts, self.num_views = [torch.cat(self.feature_parts)], 0
         return self.feature_parts[0]
+
+    def add_features(self, rows: torch.Tensor) -> None:
+        """Append a view of a step's features; past MAX_FEATURE_PARTS views, join them into a
+        block of the sequence's own (each row copied once), releasing the steps' tensors."""
+        self.feature_parts.append(rows)
+        self.num_views += 1
+        if self.num_views > MAX_FEATURE_PARTS:
+            views = self.feature_parts[-self.num_views:]
+            self.feature_parts[-self.num_views:] = [torch.cat(views)]
+            self.num_views = 0
 
     def drop_features(self, start: int, end: int | None = None) -> None:
         """Keep the waiting features [start:end] only."""
         rows = self.features()[start:end] if self.feature_parts else None
         self.feature_parts = [rows] if rows is not None and rows.shape[0] else []
-    # [1, hidden] output of the newest committed entry: the source of the next round's first
-    # draft token; None when it is not computed
-    last: torch.Tensor | None = None
+        self.num_views = min(self.num_views, len(self.feature_parts))
+
+    def clear_features(self) -> None:
+        self.feature_parts, self.num_views = [], 0
 
 
 class FeatureDrafter(Speculator):
@@ -228,14 +248,13 @@ class FeatureDrafter(Speculator):
         or more waiting, in one batched head forward (as the seeds mirror target batches into
         the draft context)."""
         batch = [c for c in batch if c.seq_id in self._seqs and c.token_ids]
-        missing = [c.seq_id for c in batch if c.hidden_states is None]
+        missing = [c.seq_id for c in batch if c.step_features is None]
         if missing:
             raise ValueError(f"{self.name}: no target features for sequence {missing[0]}")
         chunks = []
         for c in batch:
             state = self._seqs[c.seq_id]
-            raw = torch.cat([c.hidden_states[i] for i in self.hidden_layers], dim=-1)
-            self._append(state, c, raw)  # [n, n_feat * hidden]
+            self._append(state, c, c.features(self.hidden_layers))  # [n, n_feat * hidden]
             if len(state.tokens) > MAX_WAITING:
                 self._restart_window(c.seq_id, state)
             if len(state.tokens) >= PENDING_LIMIT and not self._is_silent(state):
@@ -245,7 +264,8 @@ class FeatureDrafter(Speculator):
         self._compute_committed(chunks)
 
     def _append(self, state: _SeqState, c: CommittedTokens, rows: torch.Tensor) -> None:
-        # rows [n, n_feat * hidden] the features of c's tokens, a tensor of its own (kept as is)
+        # rows [n, n_feat * hidden] the features of c's tokens: a view of its step's features,
+        # kept as is (joined with the sequence's other waiting rows when read or piling up)
         start = c.start_pos - state.base  # head slot of c's first token
         known = state.cached_len + len(state.tokens)
         if start > known:
@@ -253,16 +273,19 @@ class FeatureDrafter(Speculator):
                              f"{state.base + known}..{c.start_pos - 1}")
         if start < 0:  # the target recomputed positions before the window: restart there
             self.cache.truncate(c.seq_id, 0)
-            state.base, state.cached_len, state.feature_parts, state.tokens = c.start_pos, 0, [], []
+            state.base, state.cached_len, state.tokens = c.start_pos, 0, []
+            state.clear_features()
             start = 0
         elif start < state.cached_len:  # the target recomputed earlier positions
             self.cache.truncate(c.seq_id, start)
-            state.cached_len, state.feature_parts, state.tokens = start, [], []
+            state.cached_len, state.tokens = start, []
+            state.clear_features()
         keep = start - state.cached_len
         if keep < len(state.tokens):
             state.drop_features(0, keep)
-        state.feature_parts.append(rows)
-        state.tokens = state.tokens[:keep] + list(c.token_ids)
+            del state.tokens[keep:]
+        state.add_features(rows)
+        state.tokens.extend(c.token_ids)
         state.next_token = c.next_token_id
         state.last = None  # the newest entry moved on: computed again when it is needed
 

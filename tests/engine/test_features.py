@@ -121,3 +121,61 @@ def test_bad_layer_is_refused(default_engine):
     """A layer outside the model is an error naming it."""
     with pytest.raises(ValueError, match="hidden layer 30"):
         default_engine.add_request("hi", SamplingParams(max_tokens=1), hidden_layers=(30,))
+
+
+class OracleDrafter(Speculator):
+    """Drafts the next tokens of a known output (`continuation`), so every draft is accepted."""
+
+    name = "oracle_drafter"
+    continuation: list[int] = []
+
+    def __init__(self, ctx, config=None):
+        self.prompt_len: dict[int, int] = {}
+
+    def begin(self, seq_id, prompt_ids):
+        self.prompt_len[seq_id] = len(prompt_ids)
+
+    def process(self, batch):
+        pass
+
+    def draft(self, requests):
+        out = {}
+        for r in requests:
+            done = len(r.token_ids) - self.prompt_len[r.seq_id]
+            ids = self.continuation[done:done + r.params.n_max]
+            if ids:
+                out[r.seq_id] = Draft(ids, expected_accepted=float(len(ids)))
+        return out
+
+    def accept(self, seq_id, num_accepted, is_other):
+        pass
+
+    def end(self, seq_id):
+        pass
+
+
+def test_a_stop_inside_an_accepted_draft_drops_the_rows_after_it():
+    """A stop token accepted in the middle of a draft ends the output there: the features of
+    the draft tokens the target read after it are not kept (one row per token but the last)."""
+    register(OracleDrafter)
+    try:
+        engine = Engine(model="default", spec_type=["oracle_drafter"], num_threads=TEST_THREADS,
+                        kv_cache_tokens=4096, max_num_seqs=1, spec_n_max=6)
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": COPY_PROMPT}])
+        ref = engine.run_to_completion([prompt], SamplingParams(
+            max_tokens=24, temperature=0.0, spec=SpecParams(enabled=False)))[0]
+        plain = ref.token_ids[ref.num_prompt:]
+        OracleDrafter.continuation = list(plain)
+        stop = plain[9]  # inside the second draft (tokens 7-12)
+        assert stop not in plain[:9]
+        seq = engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0.0,
+                                                        stop_token_ids=[stop]), hidden_layers=LAYERS)
+        while engine.has_unfinished():
+            engine.step()
+        engine.release(seq)
+        assert seq.token_ids[seq.num_prompt:] == plain[:10]
+        assert seq.spec.num_accepted_tokens > 9  # the tokens after the stop were accepted too
+        for rows in engine.captured_hidden_states(seq).values():
+            assert rows.shape[0] == len(seq.token_ids) - 1
+    finally:
+        unregister(OracleDrafter.name)
