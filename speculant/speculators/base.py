@@ -42,6 +42,10 @@ class DraftParams:
     # last `context_tokens` tokens (0: its own setting): the chain's shadow probes and first
     # asks of a draft model, which would otherwise re-read up to its whole window each time
     context_tokens: int = 0
+    # what one more forward of a model drafter costs for this sequence, in tokens' worth (the
+    # chain's measure per row of its further forwards): a further forward runs where such
+    # forwards have yielded at least that (`continuation.py`)
+    further_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_max < 0:
@@ -56,6 +60,8 @@ class DraftParams:
             raise ValueError(f"p_min_run must be in [0, 1], got {self.p_min_run}")
         if self.context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {self.context_tokens}")
+        if not 0.0 <= self.further_cost < float("inf"):
+            raise ValueError(f"further_cost must be >= 0 and finite, got {self.further_cost}")
 
 
 @dataclass(slots=True)
@@ -133,6 +139,12 @@ class DraftBuilder:
         if self.run_prob <= 0.0:
             return float("inf")
         return max(params.p_min, params.p_min_run / self.run_prob)
+
+    def gain(self, prob: float, params: DraftParams) -> float:
+        """What a next token of probability `prob` adds to the draft: the chance the run
+        survives through it, past the verification break-even p_min_run; 0 when it does not
+        join (`takes`)."""
+        return self.run_prob * prob - params.p_min_run if self.takes(prob, params) else 0.0
 
     def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
         self.ids.append(tok)
@@ -266,7 +278,9 @@ class Speculator(ABC):
     `first_seconds`: how much of it went to the first draft token of every sequence (the
     first forward, catch-up included); the chain prices asking per call by it (`call_cost.py`).
     None: the whole call. `catch_up_rows`: how many revived rows (`revival_rows`) the last
-    call's `catch_up_seconds` computed.
+    call's `catch_up_seconds` computed. `further_rows`: how many (sequence, position) rows the
+    forwards after the first one ran; with `first_seconds` the chain prices one more forward
+    (`DraftParams.further_cost`).
     """
 
     name: ClassVar[str] = ""
@@ -277,6 +291,7 @@ class Speculator(ABC):
     catch_up_seconds: float = 0.0
     catch_up_rows: int = 0
     first_seconds: float | None = None
+    further_rows: int = 0
 
     def revival_rows(self, seq_id: int) -> int:
         """Rows a draft for `seq_id` would compute now only because the drafter stopped

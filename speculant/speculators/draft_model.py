@@ -155,6 +155,7 @@ class DraftModelSpeculator(Speculator):
         self.num_draft_rounds += 1
         by_id = {r.seq_id: r for r in requests if self._catch_up_fits(r)}
         grown = {seq_id: DraftBuilder() for seq_id in by_id}
+        self.further_rows = 0
         # 1) catch up with the target's committed tokens + the last token; 2..n) one token each.
         chunks = [self._catch_up_chunk(r) for r in by_id.values()]
         first = True
@@ -173,18 +174,19 @@ class DraftModelSpeculator(Speculator):
                     continue  # a long catch-up continues next round
                 req, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
                 tok, prob, q = self._pick(logits)
-                taken = grow.takes(prob, req.params)
+                gain = grow.gain(prob, req.params)
                 if grow.ids:  # this row's forward was run for a further token
-                    self.continuation.record(grow.need(req.params), taken)
-                if not taken:
+                    self.continuation.record(grow.need(req.params), gain)
+                if not grow.takes(prob, req.params):
                     continue
                 grow.add(tok, prob, q)
                 pos = chunk.start_pos + len(chunk.token_ids)
                 if len(grow.ids) < req.params.n_max and tok not in self.eos_token_ids \
                         and self.cache.can_grow(req.seq_id, pos + 1) \
-                        and self.continuation.worth(grow.need(req.params)):
+                        and self.continuation.worth(grow.need(req.params), req.params.further_cost):
                     next_chunks.append(SeqChunk(req.seq_id, pos, [tok], 1))
             chunks = next_chunks
+            self.further_rows += len(chunks)
         return {seq_id: g.to_draft() for seq_id, g in grown.items()
                 if len(g.ids) >= max(1, by_id[seq_id].params.n_min)}
 

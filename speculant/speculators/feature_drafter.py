@@ -23,8 +23,8 @@ Terms used below:
   sequences never asked still cost 3% at c=8. Such a *silent* sequence (never asked, or not
   for SILENT_AFTER tokens) restarts on its newest HEAD_WINDOW entries when asked.
 - *further forwards*: a draft token after the first costs a head forward; it runs only where
-  the token could still join the draft and such forwards yield one often enough
-  (`continuation.py`).
+  the token could still join the draft and such forwards gained more than one costs
+  (`continuation.py`; the chain measures that cost per row from `further_rows`).
 - *window*: when more than MAX_WAITING entries wait (a prompt chunk that long: in decode the
   PENDING_LIMIT flush keeps fewer waiting), the head's cache for the sequence restarts on the
   newest HEAD_WINDOW of them: head slot 0 is then target position `base`. RoPE makes attention
@@ -353,7 +353,7 @@ class FeatureDrafter(Speculator):
         """Draft token 1 comes from the newest committed entry (computed here with the other
         waiting entries, or kept by `process`); each further token is one batched forward of
         draft entries fed with the head's own hidden."""
-        t0 = time.perf_counter()
+        t0, self.further_rows = time.perf_counter(), 0
         revived = {r.seq_id for r in requests if self.revival_rows(r.seq_id)}
         for r in requests:
             self._resume(r)
@@ -373,6 +373,7 @@ class FeatureDrafter(Speculator):
         self.first_seconds = time.perf_counter() - t0
         while chunks and out is not None:
             chunks, inputs = self._extend(chunks, out, by_id, grown)
+            self.further_rows += len(chunks)
             out = self._forward(chunks, torch.cat(inputs)) if chunks else None
         for r in ready:  # drop draft entries: the head's KV holds committed positions only
             self.cache.truncate(r.seq_id, self._seqs[r.seq_id].cached_len)
@@ -462,16 +463,16 @@ class FeatureDrafter(Speculator):
         for row, chunk in enumerate(chunks):
             r, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
             tok, prob, q = self._pick(logits[row])
-            taken = grow.takes(prob, r.params)
+            gain = grow.gain(prob, r.params)
             if grow.ids:  # this row's forward was run for a further token
-                self.continuation.record(grow.need(r.params), taken)
-            if not taken:
+                self.continuation.record(grow.need(r.params), gain)
+            if not grow.takes(prob, r.params):
                 continue
             grow.add(tok, prob, q)
             pos = chunk.start_pos + 1  # the draft entry: (this hidden, this token)
             if len(grow.ids) < r.params.n_max and tok not in self.eos_token_ids \
                     and pos + 1 < self.max_positions and self.cache.can_grow(chunk.seq_id, pos + 1) \
-                    and self.continuation.worth(grow.need(r.params)):
+                    and self.continuation.worth(grow.need(r.params), r.params.further_cost):
                 next_chunks.append(SeqChunk(chunk.seq_id, pos, [tok], 1))
                 next_inputs.append(h_rows[row:row + 1])
         return next_chunks, next_inputs

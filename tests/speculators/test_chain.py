@@ -722,3 +722,41 @@ def test_shadow_time_saved_while_not_probing_is_capped():
     spent = clock.now - num_rounds * step_s
     assert 0 < spent <= PROBE_TIME_SHARE * (num_rounds * step_s + spent) + MAX_PROBE_CREDIT_S \
         + 8 * 0.012
+
+
+def test_one_more_forward_is_priced_by_the_forwards_after_the_first():
+    """A drafter whose first forward (catch-up, LM head) costs 10 ms and each later row 2 ms:
+    the chain asks the next draft to run further forwards only where they gain 0.2 tokens'
+    worth (2 ms against a 10 ms plain token), not the 4 ms average per drafted position, and
+    no longer prices that average into the run's verification floor."""
+
+    class TwoSpeed(SlowModelDrafter):
+        def __init__(self, clock):
+            super().__init__("model", [5, 6, 7], seconds_per_position=0.0)
+            self.clock, self.asked = clock, []
+
+        def draft(self, requests):
+            self.asked.extend(r.params for r in requests)
+            out = super().draft(requests)
+            self.first_seconds = 0.010
+            self.further_rows = sum(len(d) - 1 for d in out.values())
+            self.clock.now += self.first_seconds + 0.002 * self.further_rows
+            return out
+
+    clock = FakeClock()
+    spec = TwoSpeed(clock)
+    chain = SpeculatorChain([spec], probe_interval=0, clock=clock)
+    chain.begin(0, [1, 2], ("model",))
+    winner = chain.draft([request()], cost_per_token=0.1, seconds_per_token=0.01)[0]
+    assert chain._draft_seconds["model"] == pytest.approx(0.014 / 3)
+    assert chain._further_seconds["model"] == pytest.approx(0.002)
+    history = [1, 2]
+    for _ in range(12):  # its first tokens (p 0.6) price asking it from the 8th on
+        chain.accept(0, len(winner))
+        history += [5, 6, 7, 8]
+        winner = chain.draft([DraftRequest(0, list(history), DraftParams(n_max=8))],
+                             cost_per_token=0.1, seconds_per_token=0.01)[0]
+    assert chain._calibration["model"].first_rates() is not None
+    assert spec.asked[-1].further_cost == pytest.approx(0.2)
+    # the run's floor is the verification break-even alone (it held the 0.47 average before)
+    assert spec.asked[-1].p_min_run == pytest.approx(0.1)
