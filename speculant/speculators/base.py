@@ -24,6 +24,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from speculant.speculators.calibration import CalibrationPrior
 from speculant.speculators.counters import AcceptanceCounters
 
 
@@ -292,6 +293,9 @@ class Speculator(ABC):
     catch_up_rows: int = 0
     first_seconds: float | None = None
     further_rows: int = 0
+    # a model drafter's first-token calibration measured where it was made (calibration.py;
+    # a trained head's held-out figures), None when it ships none
+    calibration_prior: CalibrationPrior | None = None
 
     def revival_rows(self, seq_id: int) -> int:
         """Rows a draft for `seq_id` would compute now only because the drafter stopped

@@ -14,6 +14,14 @@ once and a miscalibrated one is corrected within a few dozen tokens. A sequence 
 drafter does better or worse than that (a language it knows less) scales the rate by its
 observed / predicted accepted tokens. The distribution of first-token probabilities is kept
 too: it prices *asking* the drafter before its draft is seen (`value_of_first`).
+
+Before MIN_FIRST first tokens are seen asking is not priced, and a drafter whose first few
+drafts missed could stay unpriced for good: in a fresh engine on summarization (the n-gram
+chain drafting most steps) the shipped head was asked twice in 4 prompts and never again. A
+head made by `speculant train-head` ships the first-token calibration measured on its held-out
+answers (`CalibrationPrior`, in its recipe.json); the chain starts from it at the weight of
+PRIOR_FIRST first tokens, so the head is priced from the first round and what the live
+drafts show soon outweighs it.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ NUM_BINS = 10  # probability bins [0, 0.1), ..., [0.9, 1]
 BIN_WEIGHT = 4.0  # pseudo-counts of the drafter's own probability inside a bin's estimate
 SEQ_WEIGHT = 4.0  # pseudo-tokens at ratio 1 inside a sequence's observed / predicted ratio
 MIN_FIRST = 8  # first-token probabilities seen before they price asking the drafter
+PRIOR_FIRST = float(MIN_FIRST)  # first tokens' worth of a shipped calibration prior
 
 
 def bin_of(p: float) -> int:
@@ -31,6 +40,54 @@ def bin_of(p: float) -> int:
 
 def _zeros() -> list[float]:
     return [0.0] * NUM_BINS
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationPrior:
+    """A drafter's first draft tokens where it was made (a head's held-out answers): per
+    probability bin, their share, mean probability and how often the target agreed."""
+
+    share: tuple[float, ...]
+    mean_prob: tuple[float, ...]
+    rate: tuple[float, ...]
+
+    @classmethod
+    def from_table(cls, table: dict) -> "CalibrationPrior":
+        """From the recipe's `first_token_calibration` {"share", "mean_prob", "rate"}, each a
+        list over the NUM_BINS bins (ValueError naming what does not fit)."""
+        cols = []
+        for key in ("share", "mean_prob", "rate"):
+            col = table.get(key) if isinstance(table, dict) else None
+            if not isinstance(col, list) or len(col) != NUM_BINS:
+                raise ValueError(f"first_token_calibration.{key} must be a list of {NUM_BINS} "
+                                 f"numbers, got {col!r}")
+            if not all(isinstance(v, (int, float)) and 0.0 <= v <= 1.0 for v in col):
+                raise ValueError(f"first_token_calibration.{key} values must be in [0, 1]")
+            cols.append(tuple(float(v) for v in col))
+        if abs(sum(cols[0]) - 1.0) > 1e-3:
+            raise ValueError(f"first_token_calibration.share must sum to 1, got {sum(cols[0]):.4f}")
+        return cls(*cols)
+
+
+def first_token_table(probs: list[float], agree: list[bool]) -> dict:
+    """The `CalibrationPrior` table of first draft tokens with these probabilities, `agree`
+    where the target's token was the same: per bin their share, mean probability and rate
+    (a bin without tokens: share 0, its middle as mean probability, rate = that)."""
+    if len(probs) != len(agree) or not probs:
+        raise ValueError(f"need as many agreements as probabilities (>0), got {len(probs)} "
+                         f"and {len(agree)}")
+    num, psum, hits = _zeros(), _zeros(), _zeros()
+    for p, a in zip(probs, agree):
+        b = bin_of(p)
+        num[b] += 1
+        psum[b] += p
+        hits[b] += float(a)
+    mid = [(b + 0.5) / NUM_BINS for b in range(NUM_BINS)]
+    mean = [psum[b] / num[b] if num[b] else mid[b] for b in range(NUM_BINS)]
+    return {"share": [round(n / len(probs), 4) for n in num],
+            "mean_prob": [round(m, 4) for m in mean],
+            "rate": [round(hits[b] / num[b], 4) if num[b] else round(mean[b], 4)
+                     for b in range(NUM_BINS)]}
 
 
 @dataclass(slots=True)
@@ -53,6 +110,20 @@ class ProbCalibration:
         self.reached[b] += 1
         self.accepted[b] += float(accepted)
 
+    @classmethod
+    def seeded(cls, prior: CalibrationPrior | None, weight: float = PRIOR_FIRST
+               ) -> "ProbCalibration":
+        """Counts that start from `prior` at `weight` first tokens (none: empty counts)."""
+        cal = cls()
+        if prior is None:
+            return cal
+        total = sum(prior.share)
+        for b in range(NUM_BINS):
+            n = weight * prior.share[b] / total
+            cal.first[b], cal.first_prob[b] = n, n * prior.mean_prob[b]
+            cal.reached[b], cal.accepted[b] = n, n * prior.rate[b]
+        return cal
+
     def record_first(self, p: float) -> None:
         b = bin_of(p)
         self.first[b] += 1
@@ -71,7 +142,7 @@ class ProbCalibration:
         first tokens). Computed per sequence, it was 1.2% of a c=8 run's time where the
         chain priced the 4-layer draft out at every step."""
         num = sum(self.first)
-        if num < MIN_FIRST:
+        if num + 1e-6 < MIN_FIRST:  # (a prior's PRIOR_FIRST tokens, summed in floats)
             return None
         return [(self.first[b] / num, self.rate(self.first_prob[b] / self.first[b]))
                 for b in range(NUM_BINS) if self.first[b]]

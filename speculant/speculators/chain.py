@@ -159,7 +159,9 @@ class SpeculatorChain:
         # per speculator, per context: every sequence's verified and counterfactual drafts
         self._evidence = {name: _context_counters() for name in names}
         # per model drafter: acceptance by the probability it gave its tokens (calibration.py)
-        self._calibration = {s.name: ProbCalibration() for s in speculators if s.is_model_based}
+        # (from the drafter's shipped prior when it has one: priced from the first round)
+        self._calibration = {s.name: ProbCalibration.seeded(s.calibration_prior)
+                             for s in speculators if s.is_model_based}
         # per model drafter: what a first forward costs by the sequences asked (call_cost.py)
         self._call_cost = {name: DraftCallCost() for name in self._calibration}
         # Wall time of the engine's steps, measured between draft rounds (the step-cost model's

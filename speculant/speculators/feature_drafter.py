@@ -43,6 +43,7 @@ vocabulary, so rejection sampling stays lossless.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from abc import abstractmethod
@@ -58,6 +59,7 @@ from speculant.models.packed_head import pack_linears, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, TargetView,
                                         check_model_drafter_config)
+from speculant.speculators.calibration import CalibrationPrior
 from speculant.speculators.continuation import ContinuationRecord
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,6 +87,21 @@ class FeatureDrafterConfig:
     def __post_init__(self) -> None:
         check_model_drafter_config("feature drafter", self)
         resolve_head_weights(self.weights, "cpu")  # ValueError naming a bad value
+
+
+def read_calibration_prior(head_path: str) -> CalibrationPrior | None:
+    """The first-token calibration a head made by `speculant train-head` carries in its
+    recipe.json (held-out answers), or None (no recipe, or an older one without it). A
+    recipe that carries a broken table is refused, naming the file."""
+    recipe = os.path.join(head_path, "recipe.json") if os.path.isdir(head_path) else ""
+    if not recipe or not os.path.isfile(recipe):
+        return None
+    try:
+        with open(recipe) as f:
+            table = json.load(f).get("heldout", {}).get("first_token_calibration")
+        return None if table is None else CalibrationPrior.from_table(table)
+    except (ValueError, AttributeError) as e:
+        raise ValueError(f"{recipe}: {e}") from e
 
 
 def shipped_head_path(target: TargetView, shipped: dict[str, str]) -> str:
@@ -207,10 +224,13 @@ class FeatureDrafter(Speculator):
                              f"give one with --spec-option {cls.name}.head=PATH")
         head = cls.load_head(path, ctx.target).to(ctx.device).eval()
         config.head = path
+        prior = read_calibration_prior(path)
         qtype = resolve_head_weights(config.weights, ctx.device)
         if qtype != "float32":
             pack_linears(head, qtype)
-        return cls(ctx, config, head, ctx.target)
+        drafter = cls(ctx, config, head, ctx.target)
+        drafter.calibration_prior = prior
+        return drafter
 
     @classmethod
     @abstractmethod

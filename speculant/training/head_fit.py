@@ -19,6 +19,7 @@ import time
 import torch
 
 from speculant.models.eagle3_head import rms_norm
+from speculant.speculators.calibration import first_token_table
 from speculant.training.head_batches import Row, heldout_rows, row_stream
 from speculant.training.head_kinds import HEAD_KINDS, TargetParts
 from speculant.training.ttt_attention import row_mask, ttt_attention
@@ -185,18 +186,21 @@ def lr_at(base_lr: float, step: int, progress: float) -> float:
 def heldout_metrics(head, rows: list[Row], layers, num_steps: int) -> dict:
     """Greedy drafting replayed on the target's greedy answers: per draft position j the
     share of verification steps whose first j+1 drafts all match the target, first-token
-    agreement per category, and expected accepted length (1 + mean accepted drafts)."""
-    runs, per_cat = [], {}
+    agreement per category, expected accepted length (1 + mean accepted drafts) and the
+    first tokens' agreement by the probability the head gave them."""
+    runs, per_cat, first_probs, first_agree = [], {}, [], []
     for row in rows:
         alive = None
         run = torch.zeros(row.num_tokens, dtype=torch.long)
         for j, (h, idx, valid) in enumerate(unroll(head, row, layers, num_steps)):
-            pred = head.draft_to_target(head.draft_logits(h).argmax(-1))  # [T]
-            agree = valid & (pred == row.token_ids[row.shifted(2 + j)[0]])
+            prob, col = torch.softmax(head.draft_logits(h).float(), dim=-1).max(-1)  # [T]
+            agree = valid & (head.draft_to_target(col) == row.token_ids[row.shifted(2 + j)[0]])
             if j == 0:
                 base = valid
                 _add_by_category(per_cat, row, base, agree)
                 alive = agree
+                first_probs += prob[base].tolist()
+                first_agree += agree[base].tolist()
             else:
                 alive = alive & agree
             run += alive.long()
@@ -207,7 +211,17 @@ def heldout_metrics(head, rows: list[Row], layers, num_steps: int) -> dict:
     return {"positions": positions, "first_token_agreement": per_pos[0],
             "acceptance_per_pos": per_pos,
             "expected_accepted_length": round(1 + float(run.float().mean()), 3),
-            "per_category": {c: round(a / n, 4) for c, (a, n) in sorted(per_cat.items())}}
+            "per_category": {c: round(a / n, 4) for c, (a, n) in sorted(per_cat.items())},
+            # the chain's prior for pricing the head before its live drafts (calibration.py)
+            "first_token_calibration": first_token_table(first_probs, first_agree)}
+
+
+def evaluate_saved_head(cfg, target, data) -> dict:
+    """`heldout_metrics` of the head saved in cfg.out (`train-head --eval-only`)."""
+    kind = HEAD_KINDS[cfg.kind]
+    head = kind.load_head(cfg.out, target.config, TargetParts.of(target)).eval()
+    rows = heldout_rows(data.heldout, data.heldout_categories, cfg.seq_len)
+    return heldout_metrics(head, rows, head.capture_layers, cfg.ttt_steps)
 
 
 def _add_by_category(per_cat: dict, row: Row, valid: torch.Tensor, agree: torch.Tensor) -> None:

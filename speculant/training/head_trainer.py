@@ -68,6 +68,9 @@ class HeadTrainConfig:
     max_num_seqs: int = 32  # sequences the engine decodes together while generating
     gen_time_budget_min: float = 60.0
     generate_only: bool = False
+    # no training: measure the head saved in OUT on the held-out answers and update the
+    # `heldout` figures of its recipe.json (e.g. a head made before a figure was added)
+    eval_only: bool = False
     aux_layers: list[int] | None = None  # published ids (input of layer i); default EAGLE-3's
     draft_vocab: int = 8192
     ttt_steps: int = 3
@@ -112,6 +115,8 @@ class HeadTrainConfig:
             raise ValueError("train-head: --lr must be > 0 and time budgets >= 0")
         if self.data_dir is None:
             self.data_dir = os.path.join(self.out, CACHE_DIRNAME)
+        if self.eval_only and self.generate_only:
+            raise ValueError("train-head: --eval-only and --generate-only exclude each other")
 
     def _check_train_prompts(self) -> None:
         """--train-prompts must be readable and hold none of the held-out categories."""
@@ -188,13 +193,16 @@ def run_train_head(args) -> int:
     spec = feature_spec(cfg, target.config)
     # 1) data: extend the feature cache (reused as is when it already covers --num-items)
     cache = generate_data(cfg.model, spec, cfg.data_dir, num_items=cfg.num_items,
-                          batch_items=cfg.batch_items, time_budget_s=cfg.gen_time_budget_min * 60,
+                          batch_items=cfg.batch_items,
+                          time_budget_s=0.0 if cfg.eval_only else cfg.gen_time_budget_min * 60,
                           threads=cfg.threads, max_num_seqs=cfg.max_num_seqs,
                           sharegpt_limit=cfg.sharegpt_limit or None)
     print(f"data: {cache.next_item} prompts, {cache.num_tokens} tokens in {cache.folder}",
           file=sys.stderr, flush=True)
     if cfg.generate_only:
         return 0
+    if cfg.eval_only:
+        return run_eval_only(cfg, target, load_with_extra(cache, []))
     data = load_with_extra(cache, cfg.extra_data)
     # 2) the draft vocabulary, then the head (resumed from a checkpoint in OUT when present)
     from speculant.models.loader import resolve_model
@@ -209,6 +217,26 @@ def run_train_head(args) -> int:
     with open(os.path.join(cfg.out, "recipe.json"), "w") as f:
         json.dump(recipe, f, indent=1)
     print_recipe(recipe)
+    return 0
+
+
+def run_eval_only(cfg: HeadTrainConfig, target, data) -> int:
+    """--eval-only: the held-out figures of the head in OUT, merged into its recipe.json (the
+    figures of the run that made it, e.g. `agreement_init`, are kept)."""
+    from speculant.training.head_fit import evaluate_saved_head
+
+    metrics = evaluate_saved_head(cfg, target, data)
+    path = os.path.join(cfg.out, "recipe.json")
+    recipe = {}
+    if os.path.isfile(path):
+        with open(path) as f:
+            recipe = json.load(f)
+    recipe.setdefault("heldout", {}).update(metrics)
+    recipe.setdefault("evaluations", []).append(recipe_command(cfg))
+    with open(path + ".tmp", "w") as f:
+        json.dump(recipe, f, indent=1)
+    os.replace(path + ".tmp", path)
+    print(json.dumps({"heldout": metrics}), flush=True)
     return 0
 
 

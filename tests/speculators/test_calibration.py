@@ -159,3 +159,71 @@ def test_a_priced_drafter_rereads_only_a_window_of_a_history_it_missed():
     chain.begin(1, text[:300], ("model",))
     chain.draft([DraftRequest(1, text[:300], DraftParams(n_max=4))], 0.3)
     assert model.asked[-1].context_tokens == 0
+
+
+def test_first_token_table_bins_probabilities_and_their_agreement():
+    from speculant.speculators.calibration import first_token_table
+
+    table = first_token_table([0.05, 0.15, 0.18, 0.95, 0.97], [False, True, False, True, True])
+    assert sum(table["share"]) == pytest.approx(1.0)
+    assert table["share"][1] == pytest.approx(0.4) and table["rate"][1] == pytest.approx(0.5)
+    assert table["mean_prob"][1] == pytest.approx(0.165)
+    assert table["rate"][9] == 1.0 and table["rate"][0] == 0.0
+    assert table["share"][5] == 0.0 and table["rate"][5] == pytest.approx(0.55)  # empty bin
+    with pytest.raises(ValueError, match="as many"):
+        first_token_table([0.5], [])
+
+
+def test_prior_table_is_checked_by_name():
+    from speculant.speculators.calibration import CalibrationPrior
+
+    good = {"share": [0.1] * 10, "mean_prob": [0.5] * 10, "rate": [0.4] * 10}
+    assert CalibrationPrior.from_table(good).rate == (0.4,) * 10
+    with pytest.raises(ValueError, match="rate must be a list of 10"):
+        CalibrationPrior.from_table(dict(good, rate=[0.4] * 9))
+    with pytest.raises(ValueError, match="share must sum to 1"):
+        CalibrationPrior.from_table(dict(good, share=[0.2] * 10))
+    with pytest.raises(ValueError, match=r"mean_prob values must be in \[0, 1\]"):
+        CalibrationPrior.from_table(dict(good, mean_prob=[1.5] * 10))
+
+
+def _prior(rate_sure: float):
+    """First tokens: half at p 0.05 (right 5%), half at p 0.95 (right `rate_sure`)."""
+    from speculant.speculators.calibration import CalibrationPrior
+
+    share, mean, rate = [0.0] * 10, [(b + 0.5) / 10 for b in range(10)], [0.5] * 10
+    share[0], mean[0], rate[0] = 0.5, 0.05, 0.05
+    share[9], mean[9], rate[9] = 0.5, 0.95, rate_sure
+    return CalibrationPrior(tuple(share), tuple(mean), tuple(rate))
+
+
+def test_a_seeded_calibration_prices_asking_at_once_and_live_records_outweigh_it():
+    cal = ProbCalibration.seeded(_prior(0.95))
+    assert cal.value_of_first(0.3) == pytest.approx(0.5 * (0.95 - 0.3), abs=0.02)
+    assert ProbCalibration.seeded(None).value_of_first(0.3) is None
+    for _ in range(200):  # live: every first token sure, and wrong
+        cal.record_first(0.95)
+        cal.record(0.95, False)
+    assert cal.value_of_first(0.3) == 0.0
+
+
+def test_the_chain_starts_from_a_drafters_shipped_prior():
+    """A model drafter that ships a prior is priced from the first round: a prior of sure and
+    right first tokens asks it at once; one whose sure tokens were wrong where it was made
+    (at PRIOR_FIRST tokens' weight, beside the bins' pull towards the drafter's probability:
+    rate ~0.48 < the 0.5 row cost) keeps it unasked, where a drafter without a prior gets its
+    first read (at a row cost its unknown record can pay)."""
+    text = list(range(2000, 4000))
+    asked = {}
+    for label, prior, cost in (("good", _prior(0.95), 0.5), ("bad", _prior(0.0), 0.5),
+                               ("none", None, 0.3)):
+        model = ConfidentModel("model", text, lambda pos: (0.95, True))
+        model.calibration_prior = prior
+        chain = SpeculatorChain([model], probe_interval=1000)
+        assert (chain._calibration["model"].first_rates() is None) == (prior is None)
+        chain.begin(0, text[:10], ("model",))
+        chain.draft([DraftRequest(0, text[:10], DraftParams(n_max=4))], cost, 0.01)
+        asked[label] = model.asked
+    assert asked["good"] and asked["good"][0].context_tokens == 0  # priced: reads its prompt
+    assert not asked["bad"]
+    assert asked["none"] and asked["none"][0].context_tokens > 0  # a first read of a window

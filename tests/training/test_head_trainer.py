@@ -68,6 +68,10 @@ def test_tiny_run_writes_a_head_and_its_recipe(tiny_head):
     assert h["positions"] > 0 and len(h["acceptance_per_pos"]) == 2
     assert set(h["per_category"]) == {"qa", "mt_bench"}
     assert 1.0 <= h["expected_accepted_length"] <= 3.0
+    cal = h["first_token_calibration"]  # the chain's prior (speculators/calibration.py)
+    assert sum(cal["share"]) == pytest.approx(1.0, abs=1e-3)
+    assert sum(s * r for s, r in zip(cal["share"], cal["rate"])) == \
+        pytest.approx(h["acceptance_per_pos"][0], abs=1e-3)  # its agreement, bin by bin
 
 
 def test_greedy_output_with_the_trained_head_equals_plain(tiny_head):
@@ -80,6 +84,7 @@ def test_greedy_output_with_the_trained_head_equals_plain(tiny_head):
     engine = Engine(model="default", spec_type=[kind], spec_options={kind: {"head": out}},
                     max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
     assert engine.speculator(kind).hidden_layers == CAPTURE_LAYERS[kind]
+    assert engine.speculator(kind).calibration_prior is not None  # from the recipe
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}])
                for p in PROMPTS[2:]]
     params = dict(max_tokens=24, temperature=0.0)
@@ -97,6 +102,52 @@ def test_rerun_reuses_the_cache_and_resumes_the_checkpoint(tiny_head, capsys):
         recipe = json.load(f)
     assert recipe["train"]["resumed"] and recipe["train"]["steps"] == 4
     assert "data: reusing" in capsys.readouterr().err
+
+
+def test_eval_only_measures_the_saved_head_into_its_recipe(tiny_head, tmp_path):
+    """--eval-only trains nothing: the held-out figures of the head in OUT (with those a
+    recipe made before them lacks) are written into its recipe, the run's own figures kept."""
+    import shutil
+
+    kind, out, recipe, prompts = tiny_head
+    copy = str(tmp_path / "head")
+    shutil.copytree(out, copy)
+    with open(os.path.join(copy, "recipe.json")) as f:
+        old = json.load(f)
+    del old["heldout"]["first_token_calibration"]
+    with open(os.path.join(copy, "recipe.json"), "w") as f:
+        json.dump(old, f)
+    with open(os.path.join(copy, "checkpoint.pt"), "rb") as f:
+        checkpoint = f.read()
+    assert train_head("--kind", kind, "--out", copy, "--prompts", prompts, "--eval-only",
+                      *TINY) == 0
+    with open(os.path.join(copy, "recipe.json")) as f:
+        new = json.load(f)
+    # the saved head is the trained one rounded to fp16: the same figures, within rounding
+    for key, values in recipe["heldout"]["first_token_calibration"].items():
+        assert new["heldout"]["first_token_calibration"][key] == pytest.approx(values, abs=0.05)
+    assert new["heldout"]["agreement_init"] == old["heldout"]["agreement_init"]
+    assert new["train"] == old["train"] and " --eval-only" in new["evaluations"][0]
+    with open(os.path.join(copy, "checkpoint.pt"), "rb") as f:
+        assert f.read() == checkpoint  # nothing trained
+
+
+def test_a_broken_prior_in_a_heads_recipe_is_refused_naming_the_file(tiny_head, tmp_path):
+    import shutil
+
+    from speculant.engine.engine import Engine
+
+    kind, out, _, _ = tiny_head
+    copy = str(tmp_path / "head")
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("head_cache"))
+    with open(os.path.join(copy, "recipe.json")) as f:
+        recipe = json.load(f)
+    recipe["heldout"]["first_token_calibration"]["rate"] = [0.5] * 3
+    with open(os.path.join(copy, "recipe.json"), "w") as f:
+        json.dump(recipe, f)
+    with pytest.raises(ValueError, match=r"recipe\.json: first_token_calibration\.rate"):
+        Engine(model="default", spec_type=[kind], spec_options={kind: {"head": copy}},
+               max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
 
 
 def test_changed_data_spec_is_refused_by_name(tiny_head):
