@@ -255,11 +255,18 @@ class SpeculatorChain:
         self._start_round(requests)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
+        # best_of: seq_id -> (proposals judged, best draft, its gain), reused for the winner
+        # when no model drafter added a proposal since (judging is ~20 us a sequence)
+        best_of: dict[int, tuple] = {}
         for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
             mine = [r for r in requests if name in self._seqs[r.seq_id].types]
             if spec.is_model_based:
-                rival = {r.seq_id: self._best(self._seqs[r.seq_id], proposals[r.seq_id],
-                                              r.params.n_min, cost_per_token)[1] for r in mine}
+                for r in mine:
+                    if best_of.get(r.seq_id, (-1,))[0] != len(proposals[r.seq_id]):
+                        best_of[r.seq_id] = (len(proposals[r.seq_id]), *self._best(
+                            self._seqs[r.seq_id], proposals[r.seq_id], r.params.n_min,
+                            cost_per_token))
+                rival = {r.seq_id: best_of[r.seq_id][2] for r in mine}
                 mine = self._budget_model_drafts(name, mine, cost_per_token, seconds_per_token,
                                                  rival)
             if not mine:
@@ -294,7 +301,9 @@ class SpeculatorChain:
         for seq_id, drafts in proposals.items():
             state = self._seqs[seq_id]
             state.proposers = tuple(d.source for d in drafts)
-            best = self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)[0]
+            known = best_of.get(seq_id)
+            best = known[1] if known is not None and known[0] == len(drafts) else \
+                self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)[0]
             state.winner = best
             state.losers = tuple(d for d in drafts if best is None or d.source != best.source)
             untrimmed = None if best is None else next(d for d in drafts if d.source == best.source)
@@ -509,10 +518,12 @@ class SpeculatorChain:
         state.context[name] = _context_after(known, accepted)
 
     def _calibrate(self, state: _SeqState, name: str, token_probs: list[float] | None,
-                   known: int, accepted: int) -> None:
-        """A model drafter's draft judged (verified or scored): its calibration learns."""
+                   known: int, accepted: int, first_pos: int = 0) -> None:
+        """A model drafter's draft judged (verified or scored): its calibration learns
+        (`first_pos`: the draft position of token_probs[0])."""
         if name in self._calibration and token_probs:
-            record_judged(self._calibration[name], state.calib[name], token_probs, known, accepted)
+            record_judged(self._calibration[name], state.calib[name], token_probs, known,
+                          accepted, first_pos)
 
     def _score_losers(self, c: CommittedTokens) -> None:
         """Score the last round's unverified proposals against what the target committed after
@@ -539,7 +550,7 @@ class SpeculatorChain:
             self._evidence[name][ctx].record_position(pos, hit)
             state.counts[name][ctx].record_position(pos, hit)
             if probs is not None:  # one token, judged with all before it right
-                self._calibrate(state, name, probs[pos:pos + 1], 1, int(hit))
+                self._calibrate(state, name, probs[pos:pos + 1], 1, int(hit), pos)
 
     def accept(self, seq_id: int, num_accepted: int) -> None:
         """The winning draft of `seq_id` had `num_accepted` tokens accepted."""

@@ -57,8 +57,8 @@ from speculant.kernels import paged_attention
 from speculant.kernels.kv_layout import write_kv
 from speculant.models.packed_head import pack_linears, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
-                                        Speculator, SpeculatorContext, TargetView,
-                                        check_model_drafter_config)
+                                        Speculator, SpeculatorContext, StepFeatures,
+                                        TargetView, check_model_drafter_config)
 from speculant.speculators.calibration import CalibrationPrior
 from speculant.speculators.continuation import ContinuationRecord
 
@@ -136,15 +136,52 @@ FORWARD_FIXED_ROWS = 30
 
 
 @dataclass(slots=True)
+class _StepRows:
+    """Rows start..start+n-1 of a step's captured features (`StepFeatures`), not fused yet: a
+    sequence the head is not asked for keeps these references and copies nothing."""
+
+    step: StepFeatures
+    start: int
+    n: int
+
+    def fused(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """[n, len(layers) * hidden] a view of the step's fused features (fused once per step
+        for every sequence that reads them)."""
+        return self.step.fused(layers)[self.start:self.start + self.n]
+
+
+def _num_rows(part: torch.Tensor | _StepRows) -> int:
+    return part.n if isinstance(part, _StepRows) else part.shape[0]
+
+
+def _slice_part(part: torch.Tensor | _StepRows, lo: int, hi: int) -> torch.Tensor | _StepRows:
+    if isinstance(part, _StepRows):
+        return _StepRows(part.step, part.start + lo, hi - lo)
+    return part[lo:hi]
+
+
+def _join_views(views: list[_StepRows], layers: tuple[int, ...]) -> torch.Tensor:
+    """[sum n, len(layers) * hidden] the views' rows as one tensor of their own: per layer
+    the rows of every step, then the layers side by side (len(layers) + 1 copies, however
+    many steps; no step's whole batch is fused for it)."""
+    per_layer = [torch.cat([v.step.by_layer[i][v.start:v.start + v.n] for v in views])
+                 for i in layers]
+    return torch.cat(per_layer, dim=-1)
+
+
+@dataclass(slots=True)
 class _SeqState:
     base: int = 0  # the target position of head slot 0 (> 0 after a window restart)
     cached_len: int = 0  # head slots 0..cached_len-1 are in the head's KV cache
-    # the target's captured features (not fused yet) of slots cached_len..cached_len+n-1, as
-    # row blocks [n_i, n_feat * hidden] joined only when read (joined at every step, the
-    # waiting rows were copied over and over: O(n^2) per PENDING_LIMIT tokens), and the
-    # committed tokens at those slots. The last `num_views` blocks are views of their steps'
-    # tensors (`StepFeatures`), the others tensors of this sequence's own.
-    feature_parts: list[torch.Tensor] = field(default_factory=list)
+    # the target's captured features of slots cached_len..cached_len+n-1 at `layers`, as row
+    # blocks joined only when read (joined at every step, the waiting rows were copied over
+    # and over: O(n^2) per PENDING_LIMIT tokens), and the committed tokens at those slots. The
+    # last `num_views` blocks are references to their steps' rows (`_StepRows`, fused only
+    # when read: fusing each step's features for a sequence the head was not asked for was
+    # ~60 us of its ~100 us per step), the others [n_i, n_feat * hidden] tensors of this
+    # sequence's own.
+    layers: tuple[int, ...] = ()
+    feature_parts: list = field(default_factory=list)
     num_views: int = 0
     tokens: list[int] = field(default_factory=list)
     next_token: int | None = None  # the token after them, when the target sampled it
@@ -156,25 +193,48 @@ class _SeqState:
 
     def features(self) -> torch.Tensor:
         """[n, n_feat * hidden] the waiting entries' features, as one tensor."""
-        if len(self.feature_parts) > 1:
-            self.feature_parts, self.num_views = [torch.cat(self.feature_parts)], 0
+        parts = self.feature_parts
+        if len(parts) > 1 or isinstance(parts[0], _StepRows):
+            own = parts[:len(parts) - self.num_views]
+            if self.num_views:
+                own.append(_join_views(parts[len(parts) - self.num_views:], self.layers))
+            self.feature_parts, self.num_views = [own[0] if len(own) == 1 else torch.cat(own)], 0
         return self.feature_parts[0]
 
-    def add_features(self, rows: torch.Tensor) -> None:
-        """Append a view of a step's features; past MAX_FEATURE_PARTS views, join them into a
-        block of the sequence's own (each row copied once), releasing the steps' tensors."""
-        self.feature_parts.append(rows)
+    def add_features(self, step: StepFeatures, start: int, n: int) -> None:
+        """Append a reference to rows start..start+n-1 of a step's features; past
+        MAX_FEATURE_PARTS references, join them into a block of the sequence's own (each row
+        copied once), releasing the steps' tensors."""
+        self.feature_parts.append(_StepRows(step, start, n))
         self.num_views += 1
         if self.num_views > MAX_FEATURE_PARTS:
             views = self.feature_parts[-self.num_views:]
-            self.feature_parts[-self.num_views:] = [torch.cat(views)]
+            self.feature_parts[-self.num_views:] = [_join_views(views, self.layers)]
             self.num_views = 0
 
     def drop_features(self, start: int, end: int | None = None) -> None:
-        """Keep the waiting features [start:end] only."""
-        rows = self.features()[start:end] if self.feature_parts else None
-        self.feature_parts = [rows] if rows is not None and rows.shape[0] else []
-        self.num_views = min(self.num_views, len(self.feature_parts))
+        """Keep the waiting features [start:end] only (no copy: blocks are sliced, references
+        narrowed)."""
+        kept, pos = [], 0
+        for part in self.feature_parts:
+            n = _num_rows(part)
+            lo, hi = max(start, pos), pos + n if end is None else min(end, pos + n)
+            if hi > lo:
+                kept.append(_slice_part(part, lo - pos, hi - pos))
+            pos += n
+        self.feature_parts = kept
+        self.num_views = 0
+        for part in reversed(kept):
+            if not isinstance(part, _StepRows):
+                break
+            self.num_views += 1
+
+    def own_features(self) -> None:
+        """Copy the waiting rows into a tensor of the sequence's own, so that no step's (or
+        older block's) whole tensor stays alive for a few of its rows."""
+        if self.feature_parts:
+            rows = self.features()
+            self.feature_parts = [rows.clone() if rows._base is not None else rows]
 
     def clear_features(self) -> None:
         self.feature_parts, self.num_views = [], 0
@@ -243,7 +303,7 @@ class FeatureDrafter(Speculator):
         if seq_id in self._seqs:
             raise ValueError(f"{self.name}: sequence {seq_id} already begun")
         self.cache.allocate(seq_id)
-        self._seqs[seq_id] = _SeqState()
+        self._seqs[seq_id] = _SeqState(layers=self.hidden_layers)
 
     def end(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None:
@@ -259,7 +319,6 @@ class FeatureDrafter(Speculator):
 
     # ---- mirroring the target ----------------------------------------------------------------
 
-    @torch.inference_mode()
     def process(self, batch: list[CommittedTokens]) -> None:
         """Keep the committed tokens' target features (entry p needs the feature f_p and the
         token x_{p+1}; the newest entry uses the token the target just sampled,
@@ -274,18 +333,20 @@ class FeatureDrafter(Speculator):
         chunks = []
         for c in batch:
             state = self._seqs[c.seq_id]
-            self._append(state, c, c.features(self.hidden_layers))  # [n, n_feat * hidden]
+            self._append(state, c)
             if len(state.tokens) > MAX_WAITING:
                 self._restart_window(c.seq_id, state)
             if len(state.tokens) >= PENDING_LIMIT and not self._is_silent(state):
                 chunk = self._waiting_chunk(c.seq_id, state)
                 if chunk is not None:
                     chunks.append(chunk)
-        self._compute_committed(chunks)
+        if chunks:
+            with torch.inference_mode():
+                self._compute_committed(chunks)
 
-    def _append(self, state: _SeqState, c: CommittedTokens, rows: torch.Tensor) -> None:
-        # rows [n, n_feat * hidden] the features of c's tokens: a view of its step's features,
-        # kept as is (joined with the sequence's other waiting rows when read or piling up)
+    def _append(self, state: _SeqState, c: CommittedTokens) -> None:
+        # c's features are kept as a reference to its rows of the step's features (joined with
+        # the sequence's other waiting rows when read or piling up)
         start = c.start_pos - state.base  # head slot of c's first token
         known = state.cached_len + len(state.tokens)
         if start > known:
@@ -304,7 +365,7 @@ class FeatureDrafter(Speculator):
         if keep < len(state.tokens):
             state.drop_features(0, keep)
             del state.tokens[keep:]
-        state.add_features(rows)
+        state.add_features(c.step_features, c.feature_row, len(c.token_ids))
         state.tokens.extend(c.token_ids)
         state.next_token = c.next_token_id
         state.last = None  # the newest entry moved on: computed again when it is needed
@@ -321,6 +382,7 @@ class FeatureDrafter(Speculator):
         state.base += state.cached_len + dropped
         state.cached_len = 0
         state.drop_features(dropped)
+        state.own_features()  # not the whole prompt chunk's features for its last rows
         state.tokens = state.tokens[dropped:]
 
     def _waiting_chunk(self, seq_id: int, state: _SeqState) -> SeqChunk | None:

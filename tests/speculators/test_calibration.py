@@ -32,12 +32,33 @@ def test_judged_draft_records_positions_up_to_the_first_miss():
 
 
 def test_a_sequence_where_the_drafter_does_worse_scales_its_rates_down():
-    cal, seq = ProbCalibration(), SeqCalibration()
+    cal, seq, other = ProbCalibration(), SeqCalibration(), SeqCalibration()
     assert calibrated_rates(cal, seq, [0.8, 0.5]) == pytest.approx([0.8, 0.5])
+    for i in range(50):  # elsewhere its tokens at 0.8 are right 4 times in 5
+        record_judged(cal, other, [0.8], known=1, accepted=int(i % 5 != 0))
     for _ in range(20):
         record_judged(cal, seq, [0.8], known=1, accepted=0)
     rates = calibrated_rates(cal, seq, [0.8, 0.5])
     assert rates[0] < 0.3 and rates[1] < 0.5 * 0.5
+    assert calibrated_rates(cal, other, [0.8])[0] > 0.5
+
+
+def test_first_tokens_are_calibrated_apart_from_later_positions():
+    """Later tokens are judged only after right ones: at the same probability they can be right
+    far more often than first tokens, which price asking the drafter and verifying its draft."""
+    cal = ProbCalibration()
+    for i in range(100):  # first tokens at 0.15 right 1 time in 10; second ones 6 in 10
+        record_judged(cal, SeqCalibration(), [0.15], known=1, accepted=int(i % 10 == 0))
+        record_judged(cal, SeqCalibration(), [0.95, 0.15], known=2, accepted=1 + int(i % 10 < 6))
+    assert cal.reached_first[1] == 100 and cal.accepted_first[1] == 10
+    assert cal.reached[1] == 200 and cal.accepted[1] == 70  # pooled: 35%
+    assert cal.first_rate(0.15) == pytest.approx((10 + BIN_WEIGHT * cal.rate(0.15)) /
+                                                 (100 + BIN_WEIGHT))
+    first, second = calibrated_rates(cal, SeqCalibration(), [0.15, 0.15])
+    assert first == pytest.approx(0.1, abs=0.05) and second > 0.3
+    for _ in range(MIN_FIRST):
+        cal.record_first(0.15)
+    assert cal.first_rates()[0][1] == pytest.approx(first)  # asking is priced by first tokens
 
 
 def test_value_of_asking_counts_only_tokens_worth_verifying():

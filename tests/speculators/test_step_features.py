@@ -1,5 +1,6 @@
-"""A step's captured target features: fused once per step, handed to each sequence as views,
-and joined into the sequence's own tensors before they keep many steps' tensors alive."""
+"""A step's captured target features: fused once per step for the sequences that read them,
+kept by the others as references to their rows, and joined into the sequence's own tensors
+before they keep many steps' tensors alive."""
 import torch
 
 from speculant.speculators.base import CommittedTokens, StepFeatures
@@ -36,23 +37,41 @@ def test_a_dict_of_layers_is_the_features_of_these_tokens_alone():
     assert CommittedTokens(0, 0, [1], 2).hidden_states is None
 
 
-def test_waiting_views_are_joined_into_the_sequences_own_tensor():
-    state = _SeqState()
+def test_waiting_rows_are_references_joined_into_the_sequences_own_tensor():
+    layers = (1, 4)
+    state = _SeqState(layers=layers)
     steps = [step_of(4, seed=s) for s in range(MAX_FEATURE_PARTS + 3)]
-    rows = [st.fused((1, 4))[1:2] for st in steps]  # the sequence is row 1 of every step
-    for r in rows[:MAX_FEATURE_PARTS]:
-        state.add_features(r)
-    assert state.num_views == MAX_FEATURE_PARTS  # still views of their steps
-    state.add_features(rows[MAX_FEATURE_PARTS])
+    want = torch.cat([torch.cat([st.by_layer[i][1:2] for i in layers], dim=-1) for st in steps])
+    for st in steps[:MAX_FEATURE_PARTS]:
+        state.add_features(st, 1, 1)  # the sequence is row 1 of every step
+    assert state.num_views == MAX_FEATURE_PARTS  # still references to their steps
+    assert all(st._fused == {} for st in steps)  # nothing fused for a sequence not read
+    state.add_features(steps[MAX_FEATURE_PARTS], 1, 1)
     assert state.num_views == 0 and len(state.feature_parts) == 1
     block = state.feature_parts[0]
-    steps_storage = {st.fused((1, 4)).untyped_storage().data_ptr() for st in steps}
+    steps_storage = {t.untyped_storage().data_ptr() for st in steps for t in st.by_layer.values()}
     assert block.untyped_storage().data_ptr() not in steps_storage  # releases the steps
-    for r in rows[MAX_FEATURE_PARTS + 1:]:
-        state.add_features(r)
+    assert torch.equal(block, want[:MAX_FEATURE_PARTS + 1])
+    for st in steps[MAX_FEATURE_PARTS + 1:]:
+        state.add_features(st, 1, 1)
     assert state.num_views == 2
-    assert torch.equal(state.features(), torch.cat(rows))
+    assert torch.equal(state.features(), want)
     state.drop_features(5)
-    assert torch.equal(state.features(), torch.cat(rows)[5:]) and state.num_views == 0
+    assert torch.equal(state.features(), want[5:]) and state.num_views == 0
     state.clear_features()
     assert state.feature_parts == [] and state.num_views == 0
+
+
+def test_dropping_rows_narrows_references_without_fusing():
+    layers = (4, 1)
+    state = _SeqState(layers=layers)
+    big, small = step_of(10, seed=1), step_of(3, seed=2)
+    state.add_features(big, 2, 6)  # a prompt chunk's rows 2-7
+    state.add_features(small, 0, 2)
+    state.drop_features(3, 7)  # rows 5-7 of big, row 0 of small
+    assert state.num_views == 2 and big._fused == {} and small._fused == {}
+    fuse = lambda st, a, b: torch.cat([st.by_layer[i][a:b] for i in layers], dim=-1)
+    assert torch.equal(state.features(), torch.cat([fuse(big, 5, 8), fuse(small, 0, 1)]))
+    state.own_features()  # a tensor of its own, not a view of a bigger block
+    assert state.feature_parts[0]._base is None
+    assert torch.equal(state.features(), torch.cat([fuse(big, 5, 8), fuse(small, 0, 1)]))
