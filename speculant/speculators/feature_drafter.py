@@ -144,11 +144,6 @@ class _StepRows:
     start: int
     n: int
 
-    def fused(self, layers: tuple[int, ...]) -> torch.Tensor:
-        """[n, len(layers) * hidden] a view of the step's fused features (fused once per step
-        for every sequence that reads them)."""
-        return self.step.fused(layers)[self.start:self.start + self.n]
-
 
 def _num_rows(part: torch.Tensor | _StepRows) -> int:
     return part.n if isinstance(part, _StepRows) else part.shape[0]
@@ -178,8 +173,8 @@ class _SeqState:
     # and over: O(n^2) per PENDING_LIMIT tokens), and the committed tokens at those slots. The
     # last `num_views` blocks are references to their steps' rows (`_StepRows`, fused only
     # when read: fusing each step's features for a sequence the head was not asked for was
-    # ~60 us of its ~100 us per step), the others [n_i, n_feat * hidden] tensors of this
-    # sequence's own.
+    # the largest part of its cost per step, cProfile on rag at c=1: torch.cat 58 of ~145 us),
+    # the others [n_i, n_feat * hidden] tensors of this sequence's own.
     layers: tuple[int, ...] = ()
     feature_parts: list = field(default_factory=list)
     num_views: int = 0
@@ -233,8 +228,7 @@ class _SeqState:
         """Copy the waiting rows into a tensor of the sequence's own, so that no step's (or
         older block's) whole tensor stays alive for a few of its rows."""
         if self.feature_parts:
-            rows = self.features()
-            self.feature_parts = [rows.clone() if rows._base is not None else rows]
+            self.feature_parts = [self.features().clone()]
 
     def clear_features(self) -> None:
         self.feature_parts, self.num_views = [], 0

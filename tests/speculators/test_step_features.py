@@ -73,5 +73,6 @@ def test_dropping_rows_narrows_references_without_fusing():
     fuse = lambda st, a, b: torch.cat([st.by_layer[i][a:b] for i in layers], dim=-1)
     assert torch.equal(state.features(), torch.cat([fuse(big, 5, 8), fuse(small, 0, 1)]))
     state.own_features()  # a tensor of its own, not a view of a bigger block
-    assert state.feature_parts[0]._base is None
+    own = state.feature_parts[0]
+    assert own._base is None and own.untyped_storage().nbytes() == own.numel() * own.element_size()
     assert torch.equal(state.features(), torch.cat([fuse(big, 5, 8), fuse(small, 0, 1)]))
