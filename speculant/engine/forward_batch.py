@@ -16,6 +16,9 @@ class SeqChunk:
     start_pos: int
     token_ids: list[int]
     num_logits: int = 1  # logits wanted for the last `num_logits` tokens of the chunk (0 = none)
+    # hidden states wanted (when the batch captures layers) for the last `num_feature_rows`
+    # tokens of the chunk; None = all of them
+    num_feature_rows: int | None = None
 
 
 @dataclass(slots=True)
@@ -29,6 +32,10 @@ class ForwardBatch:
     cu_num_tokens: list[int]  # [S + 1] prefix sums of chunk lengths
     cu_num_logits: list[int]  # [S + 1] prefix sums of logits rows per chunk
     hidden_layers: tuple[int, ...] = ()  # layers whose output hidden states are returned
+    # [H] int64 token rows whose hidden states are returned, ascending; None = every row
+    hidden_rows: torch.Tensor | None = None
+    # [S + 1] prefix sums of returned hidden rows per chunk (== cu_num_tokens when all are)
+    cu_num_hidden: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +53,8 @@ def build_forward_batch(cache: KVCache, chunks: list[SeqChunk], device="cpu",
     slots: list[int] = []
     token_seq: list[int] = []
     logits_indices: list[int] = []
-    cu_tokens, cu_logits = [0], [0]
+    hidden_rows: list[int] = []
+    cu_tokens, cu_logits, cu_hidden = [0], [0], [0]
     tables: list[list[int]] = []
     for row, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
@@ -61,6 +69,9 @@ def build_forward_batch(cache: KVCache, chunks: list[SeqChunk], device="cpu",
         logits_indices.extend(range(base + n - chunk.num_logits, base + n))
         cu_tokens.append(base + n)
         cu_logits.append(len(logits_indices))
+        num_hidden = n if chunk.num_feature_rows is None else min(n, chunk.num_feature_rows)
+        hidden_rows.extend(range(base + n - num_hidden, base + n))
+        cu_hidden.append(len(hidden_rows))
         tables.append(cache.block_table(chunk.seq_id))
     max_blocks = max(len(t) for t in tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -78,4 +89,8 @@ def build_forward_batch(cache: KVCache, chunks: list[SeqChunk], device="cpu",
         cu_num_tokens=cu_tokens,
         cu_num_logits=cu_logits,
         hidden_layers=hidden_layers,
+        # None when every row is wanted: the models then copy their layers' outputs whole
+        hidden_rows=(as_tensor(hidden_rows, torch.int64)
+                     if hidden_layers and len(hidden_rows) < len(token_ids) else None),
+        cu_num_hidden=cu_hidden,
     )

@@ -215,8 +215,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("speculant::decoder_stack")
     def _(h, stack, k_caches, v_caches, cos, sin, positions, slot_mapping, block_tables,
-          token_seq, token_pos, final_norm, hidden_layers, num_heads, eps, scale):
-        return torch.empty_like(h), [torch.empty_like(h) for _ in hidden_layers]
+          token_seq, token_pos, final_norm, hidden_layers, num_heads, eps, scale,
+          hidden_rows=None):
+        rows = h.shape[0] if hidden_rows is None else hidden_rows.shape[0]
+        return torch.empty_like(h), [h.new_empty(rows, h.shape[1]) for _ in hidden_layers]
 
 
 def main() -> None:

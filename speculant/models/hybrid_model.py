@@ -25,7 +25,8 @@ from speculant.models.hybrid_layers import ForwardRun, rms_norm, rope_tables
 @dataclass(slots=True)
 class HybridOutput:
     logits: torch.Tensor  # [R, vocab_size] fp32, rows = batch.logits_indices
-    hidden_states: dict[int, torch.Tensor]  # layer -> [T, hidden] output of that layer (pre-norm)
+    # layer -> [H, hidden] its output (pre-norm) at rows batch.hidden_rows (all T rows if None)
+    hidden_states: dict[int, torch.Tensor]
     step_states: dict[int, StepStates]  # seq_id -> state after each row (keep_steps chunks only)
 
 
@@ -100,7 +101,7 @@ class HybridModel:
             h = h + layer.mixer(rms_norm(h, layer.mixer_norm, c.rms_norm_eps), run)
             h = h + layer.mlp(rms_norm(h, layer.mlp_norm, c.rms_norm_eps))
             if i in wanted:
-                hidden[i] = h
+                hidden[i] = h if batch.hidden_rows is None else h.index_select(0, batch.hidden_rows)
         x = rms_norm(h.index_select(0, batch.logits_indices), self.final_norm, c.rms_norm_eps)
         return HybridOutput(self.lm_head(x), hidden, run.steps)
 

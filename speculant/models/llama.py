@@ -23,7 +23,8 @@ from speculant.models.config import ModelConfig
 @dataclass(slots=True)
 class ForwardOutput:
     logits: torch.Tensor  # [R, vocab_size] fp32, rows = batch.logits_indices
-    hidden_states: dict[int, torch.Tensor]  # layer -> [T, hidden] output of that layer (pre-norm)
+    # layer -> [H, hidden] its output (pre-norm) at rows batch.hidden_rows (all T rows if None)
+    hidden_states: dict[int, torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -125,7 +126,7 @@ class Model:
             x, states = decoder_stack(
                 h, self._stack, cache.k, cache.v, self.rope_cos, self.rope_sin, batch.positions,
                 batch.slot_mapping, batch.block_tables, batch.token_seq, token_pos,
-                self.final_norm, wanted, c.num_heads, eps, self.attn_scale)
+                self.final_norm, wanted, c.num_heads, eps, self.attn_scale, batch.hidden_rows)
             hidden = dict(zip(wanted, states))
         else:
             x, hidden = self._layers(h, batch, cache, token_pos, set(wanted))
@@ -155,5 +156,6 @@ class Model:
                               native=native)
             x = add_rms_norm(h, down, self.norms_after[i], eps, native=native)
             if i in wanted:
-                hidden[i] = h.clone()
+                rows = batch.hidden_rows  # h changes in place: copies, of the rows wanted only
+                hidden[i] = h.clone() if rows is None else h.index_select(0, rows)
         return x, hidden

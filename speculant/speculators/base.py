@@ -186,32 +186,41 @@ class CommittedTokens:
     next_token_id: int | None = None
     # Target features for model drafters (EAGLE-3, MTP, DFlash): the step's captured layers
     # (`StepFeatures`, the layers some speculator asked for: `Speculator.hidden_layers`; None
-    # when none did) and the row of token_ids[0] in them. Read them with `hidden_states` or
-    # `features(layers)`. A dict layer -> [len(token_ids), hidden_size] is taken as the
-    # features of these tokens alone.
+    # when none did) and the row in them of token_ids[feature_skip], the first token that has
+    # features: a prompt chunk's older tokens have none when no speculator reads that far back
+    # (`Speculator.feature_rows`). Read them with `hidden_states` or `features(layers)`. A
+    # dict layer -> [len(token_ids) - feature_skip, hidden_size] is taken as the features of
+    # these tokens alone.
     step_features: StepFeatures | dict[int, torch.Tensor] | None = None
     feature_row: int = 0
+    feature_skip: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.step_features, dict):
             self.step_features, self.feature_row = StepFeatures(self.step_features), 0
 
     @property
+    def num_feature_rows(self) -> int:
+        """How many of these tokens (the newest) have features."""
+        return len(self.token_ids) - self.feature_skip
+
+    @property
     def hidden_states(self) -> dict[int, torch.Tensor] | None:
-        """layer -> the residual stream after that target layer at each of these tokens,
-        [len(token_ids), hidden_size] (row i was computed reading token_ids[i]; it predicts the
-        token after it); None without features. Views into the step's tensors."""
+        """layer -> the residual stream after that target layer at each of these tokens that
+        has features, [num_feature_rows, hidden_size] (row i was computed reading
+        token_ids[feature_skip + i]; it predicts the token after it); None without features.
+        Views into the step's tensors."""
         if self.step_features is None:
             return None
-        rows = slice(self.feature_row, self.feature_row + len(self.token_ids))
+        rows = slice(self.feature_row, self.feature_row + self.num_feature_rows)
         return {i: h[rows] for i, h in self.step_features.by_layer.items()}
 
     def features(self, layers: tuple[int, ...]) -> torch.Tensor:
-        """[len(token_ids), len(layers) * hidden_size] these tokens' features at `layers`, side
-        by side in that order (a view of the step's fused tensor: one concatenation per step
-        for the whole batch, not one per sequence)."""
+        """[num_feature_rows, len(layers) * hidden_size] the features at `layers` of these
+        tokens that have them, side by side in that order (a view of the step's fused tensor:
+        one concatenation per step for the whole batch, not one per sequence)."""
         fused = self.step_features.fused(layers)
-        return fused[self.feature_row:self.feature_row + len(self.token_ids)]
+        return fused[self.feature_row:self.feature_row + self.num_feature_rows]
 
 
 @dataclass(slots=True)
@@ -301,6 +310,12 @@ class Speculator(ABC):
         """Rows a draft for `seq_id` would compute now only because the drafter stopped
         following it (priced per sequence by the chain, `call_cost.py`); 0 by default."""
         return 0
+
+    def feature_rows(self, num_tokens: int) -> int:
+        """Of a prompt chunk of `num_tokens` tokens, how many (the newest) this speculator
+        reads the target's features of (`hidden_layers`); the target captures no more when no
+        other reader wants them. Default: all."""
+        return num_tokens
 
     @abstractmethod
     def begin(self, seq_id: int, prompt_ids: list[int]) -> None:

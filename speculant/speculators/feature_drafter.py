@@ -338,6 +338,11 @@ class FeatureDrafter(Speculator):
             with torch.inference_mode():
                 self._compute_committed(chunks)
 
+    def feature_rows(self, num_tokens: int) -> int:
+        """A prompt chunk longer than MAX_WAITING restarts the head's window on its newest
+        HEAD_WINDOW entries (`process`): the older rows' features would never be read."""
+        return num_tokens if num_tokens <= MAX_WAITING else HEAD_WINDOW
+
     def _append(self, state: _SeqState, c: CommittedTokens) -> None:
         # c's features are kept as a reference to its rows of the step's features (joined with
         # the sequence's other waiting rows when read or piling up)
@@ -346,9 +351,11 @@ class FeatureDrafter(Speculator):
         if start > known:
             raise ValueError(f"{self.name}: sequence {c.seq_id} skipped positions "
                              f"{state.base + known}..{c.start_pos - 1}")
-        if start < 0:  # the target recomputed positions before the window: restart there
+        # restart the window where c's features start when the target recomputed positions
+        # before it, or captured only c's newest tokens (`feature_rows`)
+        if start < 0 or c.feature_skip:
             self.cache.truncate(c.seq_id, 0)
-            state.base, state.cached_len, state.tokens = c.start_pos, 0, []
+            state.base, state.cached_len, state.tokens = c.start_pos + c.feature_skip, 0, []
             state.clear_features()
             start = 0
         elif start < state.cached_len:  # the target recomputed earlier positions
@@ -359,8 +366,8 @@ class FeatureDrafter(Speculator):
         if keep < len(state.tokens):
             state.drop_features(0, keep)
             del state.tokens[keep:]
-        state.add_features(c.step_features, c.feature_row, len(c.token_ids))
-        state.tokens.extend(c.token_ids)
+        state.add_features(c.step_features, c.feature_row, c.num_feature_rows)
+        state.tokens.extend(c.token_ids[c.feature_skip:])
         state.next_token = c.next_token_id
         state.last = None  # the newest entry moved on: computed again when it is needed
 

@@ -29,8 +29,8 @@ class FeatureProbe(Speculator):
     def process(self, batch):
         for c in batch:
             assert c.hidden_states is not None and 14 in c.hidden_states
-            assert c.hidden_states[14].shape[0] == len(c.token_ids)
-            self.fed[c.seq_id].append((c.start_pos, c.hidden_states[14].clone()))
+            assert c.hidden_states[14].shape[0] == c.num_feature_rows
+            self.fed[c.seq_id].append((c.start_pos + c.feature_skip, c.hidden_states[14].clone()))
 
     def draft(self, requests):
         self.round += 1
@@ -104,6 +104,57 @@ def test_speculators_receive_features_of_committed_tokens_only(probe_engine):
         # the step that finished the sequence is not mirrored (the speculator has ended it)
         assert seq.num_prompt < rows.shape[0] < captured.shape[0]
         assert torch.equal(rows, captured[:rows.shape[0]])
+
+
+class WindowProbe(FeatureProbe):
+    """A feature reader that never reads more than the newest 4 rows of a chunk."""
+
+    name = "window_probe"
+
+    def feature_rows(self, num_tokens):
+        return min(num_tokens, 4)
+
+
+def test_a_speculator_reading_a_chunks_newest_rows_gets_only_those(monkeypatch):
+    """The target captures, of a prompt chunk, only the rows its readers want: a speculator
+    reading the newest 4 gets those 4 (equal to a full prefill's), in the same step as a
+    request that asked for all its rows and gets them all."""
+    register(WindowProbe)
+    try:
+        engine = Engine(model="default", spec_type=["window_probe"], num_threads=TEST_THREADS,
+                        kv_cache_tokens=4096, max_num_seqs=2)
+        captured_rows = []  # (rows in the batch, rows captured) per forward
+        forward = engine.model.forward
+
+        def recording(batch, cache):
+            out = forward(batch, cache)
+            captured_rows.append((batch.num_tokens, out.hidden_states[14].shape[0]))
+            return out
+
+        monkeypatch.setattr(engine.model, "forward", recording)
+        tok = engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
+                   for p in (COPY_PROMPT, "Name three colours.")]
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        probed = engine.add_request(prompts[0], params)
+        public = engine.add_request(prompts[1], params, hidden_layers=(14,))
+        while engine.has_unfinished():
+            engine.step()
+        num_tokens, num_rows = captured_rows[0]  # the first step, prefilling both
+        assert num_rows < num_tokens
+        fed = engine.speculator("window_probe").fed
+        fresh = prefill_features(engine, prompts[0])[14]
+        chunks = [(start, rows) for start, rows in fed[probed.seq_id] if start < len(prompts[0])]
+        assert chunks and all(rows.shape[0] <= 4 for _, rows in chunks)
+        for start, rows in chunks:
+            assert torch.equal(rows, fresh[start:start + rows.shape[0]])
+        assert chunks[-1][0] + chunks[-1][1].shape[0] == len(prompts[0])  # the prompt's newest
+        fresh = prefill_features(engine, prompts[1])[14]
+        rows = torch.cat([rows for start, rows in fed[public.seq_id] if start < len(prompts[1])])
+        assert torch.equal(rows, fresh)  # a request that asked for every row: all, for both
+        assert torch.equal(engine.captured_hidden_states(public)[14][:len(prompts[1])], fresh)
+    finally:
+        unregister(WindowProbe.name)
 
 
 def test_no_capture_without_a_request_for_it(default_engine, monkeypatch):

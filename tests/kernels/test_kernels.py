@@ -620,6 +620,51 @@ def test_decoder_stack_equals_native_op_by_op(qtype, variant, num_heads):
         assert torch.equal(bits(a.hidden_states[0]), bits(b.hidden_states[0]))
 
 
+@pytest.mark.parametrize("path", ["stack", "ops", "torch"])
+def test_hidden_rows_are_the_chunks_newest_rows_of_the_full_capture(path):
+    """A chunk asking features for its newest rows only (`num_feature_rows`) gets exactly
+    those rows of what a full capture returns, packed after the previous chunks' rows; the
+    logits do not change."""
+    if path != "torch" and not native_available():
+        pytest.skip("native kernels unavailable here")
+    from speculant.models.llama import Model
+
+    cfg, w = tiny_model("Q4_1", "plain", 6)
+    model = Model(cfg, w, path=path)
+    some = [[SeqChunk(0, 0, list(range(1, 30)), 2, num_feature_rows=3),
+             SeqChunk(1, 0, [5, 6, 7], 1, num_feature_rows=0)],
+            [SeqChunk(0, 29, [40, 41, 42, 43, 44], 5), SeqChunk(1, 3, [8], 1, num_feature_rows=1)]]
+    full = run_two_steps(model, TWO_SEQUENCES)
+    part = run_two_steps(model, some)
+    prefill_full, prefill_part = full[0].hidden_states[0], part[0].hidden_states[0]
+    assert prefill_part.shape[0] == 3
+    assert torch.equal(prefill_part, prefill_full[26:29])
+    assert torch.equal(part[1].hidden_states[0], full[1].hidden_states[0])  # every row wanted
+    for a, b in zip(full, part):
+        assert torch.equal(a.logits, b.logits)
+
+
+def test_forward_batch_lists_the_hidden_rows_wanted():
+    """hidden_rows / cu_num_hidden: each chunk's newest `num_feature_rows` rows; no index
+    tensor when every row is wanted or no layer is captured."""
+    from speculant.engine.forward_batch import build_forward_batch
+    from speculant.engine.kv_cache import KVCache
+
+    cache = KVCache(1, 1, 4, 16, 8, torch.float32, "cpu")
+    for seq_id in (0, 1, 2):
+        cache.allocate(seq_id)
+    chunks = [SeqChunk(0, 0, [1, 2, 3, 4, 5], 1, num_feature_rows=2),
+              SeqChunk(1, 0, [6, 7], 2), SeqChunk(2, 0, [8, 9, 10], 1, num_feature_rows=0)]
+    batch = build_forward_batch(cache, chunks, hidden_layers=(0,))
+    assert batch.hidden_rows.tolist() == [3, 4, 5, 6]
+    assert batch.cu_num_hidden == [0, 2, 4, 4]
+    whole = [SeqChunk(3, 0, [1, 2], 1, num_feature_rows=5)]
+    cache.allocate(3)
+    assert build_forward_batch(cache, whole, hidden_layers=(0,)).hidden_rows is None
+    cache.allocate(4)
+    assert build_forward_batch(cache, [SeqChunk(4, 0, [1, 2], 1, num_feature_rows=1)]).hidden_rows is None
+
+
 @pytest.mark.parametrize("variant", ["plain", "bias", "qk_norm"])
 def test_native_model_matches_torch_reference(variant):
     """With F32 weights (no activation rounding), native and pure-PyTorch logits agree to 1e-5."""

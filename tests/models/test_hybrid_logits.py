@@ -110,3 +110,9 @@ def test_hidden_states_returned_for_the_layers_asked(pair):
     out = ours.forward(batch, runner.kv, runner.states.batch([0]))
     assert sorted(out.hidden_states) == [0, 2]
     assert out.hidden_states[2].shape == (9, ours.config.hidden_size)
+    # a chunk wanting its newest rows only gets those rows of the full capture
+    runner.add(1)
+    batch = build_forward_batch(runner.kv, [SeqChunk(1, 0, tokens(9, seed=1), 1,
+                                                     num_feature_rows=3)], hidden_layers=(2,))
+    newest = ours.forward(batch, runner.kv, runner.states.batch([1])).hidden_states[2]
+    assert torch.equal(newest, out.hidden_states[2][6:])

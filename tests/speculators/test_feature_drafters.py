@@ -391,6 +391,41 @@ def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
         probe.end(seq_id)
 
 
+def test_a_long_chunk_needs_the_features_of_its_window_only(eagle_engine, monkeypatch):
+    """Of a chunk longer than MAX_WAITING the drafter reads the newest HEAD_WINDOW rows
+    (`feature_rows`): fed only those (`feature_skip`, as the engine captures them), it keeps
+    the same window and drafts the same tokens as fed every row."""
+    from speculant.llm import LLM
+    from speculant.speculators import feature_drafter
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+
+    monkeypatch.setattr(feature_drafter, "MAX_WAITING", 24)
+    monkeypatch.setattr(feature_drafter, "HEAD_WINDOW", 10)
+    engine = eagle_engine
+    probe = engine.speculator(engine.speculator_names[0])
+    tok = engine.tokenizer
+    history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(
+        " Blue is the colour of a clear sky at noon, of deep water far from the shore.")
+    n = len(history) - 1
+    assert probe.feature_rows(24) == 24 and probe.feature_rows(n) == 10
+    feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
+    full, windowed = 10**6 + 8, 10**6 + 9
+    drafts = {}
+    try:
+        for seq_id, skip in ((full, 0), (windowed, n - 10)):
+            probe.begin(seq_id, history[:n])
+            probe.process([CommittedTokens(seq_id, 0, history[:n], history[n],
+                                           {i: f[skip:] for i, f in feats.items()},
+                                           feature_skip=skip)])
+            assert probe._seqs[seq_id].base == n - 10
+            assert len(probe._seqs[seq_id].tokens) == 10
+            drafts[seq_id] = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=3))])
+        assert drafts[windowed][windowed].token_ids == drafts[full][full].token_ids
+    finally:
+        probe.end(full)
+        probe.end(windowed)
+
+
 @torch.inference_mode()
 def test_packed_layer_equals_the_reference_maths(eagle_engine):
     """The head's layer on the target's fused kernels (`PackedEagle3Layer`) gives the outputs and

@@ -107,7 +107,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
     const at::Tensor& token_pos, const at::Tensor& final_norm, at::IntArrayRef hidden_layers,
-    int64_t num_heads, double eps, double scale) {
+    int64_t num_heads, double eps, double scale, const std::optional<at::Tensor>& hidden_rows) {
   const std::shared_ptr<const Stack> stack = find_stack(stack_id);
   const Stack& w = *stack;
   const int64_t num_layers = w.num_layers;
@@ -131,7 +131,9 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor down = w.linear(silu_mul(w.linear(x, l, 2)), l, 3);
     x = add_rms_norm(h, down, l + 1 < num_layers ? w.get(l + 1, kAttnNorm) : final_norm, eps);
     for (int64_t wanted : hidden_layers) {
-      if (wanted == l) hidden.push_back(h.clone());
+      // only the rows a caller reads (a long prompt chunk's newest): a copy of every row at
+      // every captured layer cost ~1% of a long-context run
+      if (wanted == l) hidden.push_back(hidden_rows ? h.index_select(0, *hidden_rows) : h.clone());
     }
   }
   return {x, hidden};

@@ -33,7 +33,7 @@ TORCH_LIBRARY(speculant, m) {
       "decoder_stack(Tensor(a!) h, int stack, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
       "Tensor token_seq, Tensor token_pos, Tensor final_norm, int[] hidden_layers, "
-      "int num_heads, float eps, float scale) -> (Tensor, Tensor[])");
+      "int num_heads, float eps, float scale, Tensor? hidden_rows=None) -> (Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {

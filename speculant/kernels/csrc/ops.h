@@ -56,12 +56,14 @@ void decoder_stack_release(int64_t stack);
 
 // The decoder stack, every layer chained through the operators above: h [T, hidden] (the
 // embeddings) becomes the last layer's output in place; returns the final-normed hidden states
-// and a copy of h after each layer listed in hidden_layers.
+// and a copy of h after each layer listed in hidden_layers (only its rows hidden_rows, when
+// given: int64 row indices).
 std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& h, int64_t stack, at::TensorList k_caches, at::TensorList v_caches,
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
     const at::Tensor& token_pos, const at::Tensor& final_norm, at::IntArrayRef hidden_layers,
-    int64_t num_heads, double eps, double scale);
+    int64_t num_heads, double eps, double scale,
+    const std::optional<at::Tensor>& hidden_rows = std::nullopt);
 
 }  // namespace speculant
