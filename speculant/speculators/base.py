@@ -141,11 +141,24 @@ class DraftBuilder:
             return float("inf")
         return max(params.p_min, params.p_min_run / self.run_prob)
 
-    def gain(self, prob: float, params: DraftParams) -> float:
+    def gain(self, prob: float, params: DraftParams, joins: bool | None = None) -> float:
         """What a next token of probability `prob` adds to the draft: the chance the run
         survives through it, past the verification break-even p_min_run; 0 when it does not
-        join (`takes`)."""
-        return self.run_prob * prob - params.p_min_run if self.takes(prob, params) else 0.0
+        join (`takes`, unless `joins` says)."""
+        joins = self.takes(prob, params) if joins is None else joins
+        return self.run_prob * prob - params.p_min_run if joins else 0.0
+
+    def offer(self, tok: int, prob: float, q: torch.Tensor | None, params: DraftParams,
+              continuation) -> bool:
+        """The drafter's next pick: a further token (after the first) tells `continuation`
+        (a `ContinuationRecord`) what its forward gained at the probability it needed; the
+        token is added when it joins (`takes`). Returns whether it joined."""
+        joins = self.takes(prob, params)
+        if self.ids:
+            continuation.record(self.need(params), self.gain(prob, params, joins))
+        if joins:
+            self.add(tok, prob, q)
+        return joins
 
     def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
         self.ids.append(tok)

@@ -101,6 +101,9 @@ class ProbCalibration:
     accepted_first: list[float] = field(default_factory=_zeros)  # ... of them right
     first: list[float] = field(default_factory=_zeros)  # first draft tokens proposed
     first_prob: list[float] = field(default_factory=_zeros)  # ... the sum of their probabilities
+    # `first_rates` as of the last record (read every round, changed only by a judged or
+    # proposed token: a head the chain rarely asks recomputed it ~500 times per prompt)
+    _first_rates: list | None = field(default=None, repr=False, compare=False)
 
     def rate(self, p: float) -> float:
         """Expected acceptance of a token the drafter gave probability p (its earlier tokens
@@ -124,6 +127,7 @@ class ProbCalibration:
         return self.first_rate(p) if pos == 0 else self.rate(p)
 
     def record(self, p: float, accepted: bool, pos: int = 0) -> None:
+        self._first_rates = None
         b = bin_of(p)
         self.reached[b] += 1
         self.accepted[b] += float(accepted)
@@ -147,6 +151,7 @@ class ProbCalibration:
         return cal
 
     def record_first(self, p: float) -> None:
+        self._first_rates = None
         b = bin_of(p)
         self.first[b] += 1
         self.first_prob[b] += p
@@ -163,11 +168,14 @@ class ProbCalibration:
         part of `value_of_first` shared by every sequence of a round (None before MIN_FIRST
         first tokens). Computed per sequence, it was 1.2% of a c=8 run's time where the
         chain priced the 4-layer draft out at every step."""
-        num = sum(self.first)
-        if num + 1e-6 < MIN_FIRST:  # (a prior's PRIOR_FIRST tokens, summed in floats)
-            return None
-        return [(self.first[b] / num, self.first_rate(self.first_prob[b] / self.first[b]))
+        if self._first_rates is None:
+            num = sum(self.first)
+            if num + 1e-6 < MIN_FIRST:  # (a prior's PRIOR_FIRST tokens, summed in floats)
+                return None
+            self._first_rates = [
+                (self.first[b] / num, self.first_rate(self.first_prob[b] / self.first[b]))
                 for b in range(NUM_BINS) if self.first[b]]
+        return self._first_rates
 
 
 def value_of_first(first_rates: list[tuple[float, float]], threshold: float,

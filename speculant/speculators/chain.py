@@ -273,8 +273,8 @@ class SpeculatorChain:
                             self._seqs[r.seq_id], proposals[r.seq_id], r.params.n_min,
                             cost_per_token))
                 rival = {r.seq_id: best_of[r.seq_id][2] for r in mine}
-                mine = self._budget_model_drafts(name, mine, cost_per_token, seconds_per_token,
-                                                 rival)
+                mine = mine and self._budget_model_drafts(name, mine, cost_per_token,
+                                                          seconds_per_token, rival)
             if not mine:
                 continue
             t0 = self._clock()

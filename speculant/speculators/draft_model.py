@@ -174,12 +174,8 @@ class DraftModelSpeculator(Speculator):
                     continue  # a long catch-up continues next round
                 req, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
                 tok, prob, q = self._pick(logits)
-                gain = grow.gain(prob, req.params)
-                if grow.ids:  # this row's forward was run for a further token
-                    self.continuation.record(grow.need(req.params), gain)
-                if not grow.takes(prob, req.params):
+                if not grow.offer(tok, prob, q, req.params, self.continuation):
                     continue
-                grow.add(tok, prob, q)
                 pos = chunk.start_pos + len(chunk.token_ids)
                 if len(grow.ids) < req.params.n_max and tok not in self.eos_token_ids \
                         and self.cache.can_grow(req.seq_id, pos + 1) \

@@ -546,12 +546,8 @@ class FeatureDrafter(Speculator):
         for row, chunk in enumerate(chunks):
             r, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
             tok, prob, q = self._pick(logits[row])
-            gain = grow.gain(prob, r.params)
-            if grow.ids:  # this row's forward was run for a further token
-                self.continuation.record(grow.need(r.params), gain)
-            if not grow.takes(prob, r.params):
+            if not grow.offer(tok, prob, q, r.params, self.continuation):
                 continue
-            grow.add(tok, prob, q)
             pos = chunk.start_pos + 1  # the draft entry: (this hidden, this token)
             if len(grow.ids) < r.params.n_max and tok not in self.eos_token_ids \
                     and pos + 1 < self.max_positions and self.cache.can_grow(chunk.seq_id, pos + 1) \

@@ -61,6 +61,26 @@ def test_first_tokens_are_calibrated_apart_from_later_positions():
     assert cal.first_rates()[0][1] == pytest.approx(first)  # asking is priced by first tokens
 
 
+def test_first_rates_follow_every_record():
+    """`first_rates` (read every round) reflects each judged and each proposed first token
+    as soon as it is recorded."""
+    import dataclasses
+
+    def recomputed(cal):
+        return dataclasses.replace(cal, _first_rates=None).first_rates()
+
+    cal = ProbCalibration()
+    for _ in range(MIN_FIRST):
+        cal.record_first(0.45)
+    before = cal.first_rates()
+    for _ in range(20):
+        cal.record(0.45, False, pos=0)
+    judged = cal.first_rates()
+    assert judged == recomputed(cal) and judged[0][1] < before[0][1]
+    cal.record_first(0.95)
+    assert cal.first_rates() == recomputed(cal) and len(cal.first_rates()) == 2
+
+
 def test_value_of_asking_counts_only_tokens_worth_verifying():
     cal = ProbCalibration()
     assert cal.value_of_first(0.3) is None  # nothing seen yet
