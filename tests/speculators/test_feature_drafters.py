@@ -353,24 +353,31 @@ def test_a_silent_sequence_reports_the_rows_its_revival_computes(eagle_engine, m
 
 
 @torch.inference_mode()
-def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
-    """More than MAX_WAITING waiting entries (a long prompt chunk) restart the head's cache on the newest
-    HEAD_WINDOW: the draft is then the head's answer for a sequence that starts at the
-    window (RoPE positions from 0 there), computed in one forward of HEAD_WINDOW rows."""
+def small_window_probe(engine, monkeypatch):
+    """The engine's feature drafter with MAX_WAITING 24 and HEAD_WINDOW 10, a history longer
+    than that, n = its committed length, and the target's features of those n tokens."""
     from speculant.llm import LLM
     from speculant.speculators import feature_drafter
-    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
 
     monkeypatch.setattr(feature_drafter, "MAX_WAITING", 24)
     monkeypatch.setattr(feature_drafter, "HEAD_WINDOW", 10)
-    engine = eagle_engine
     probe = engine.speculator(engine.speculator_names[0])
     tok = engine.tokenizer
     history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(
         " Blue is the colour of a clear sky at noon, of deep water far from the shore.")
     n = len(history) - 1
     assert n > 24
-    feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
+    return probe, history, n, LLM.from_engine(engine).hidden_states(history[:n],
+                                                                    probe.hidden_layers)
+
+
+def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
+    """More than MAX_WAITING waiting entries (a long prompt chunk) restart the head's cache on the newest
+    HEAD_WINDOW: the draft is then the head's answer for a sequence that starts at the
+    window (RoPE positions from 0 there), computed in one forward of HEAD_WINDOW rows."""
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+
+    probe, history, n, feats = small_window_probe(eagle_engine, monkeypatch)
     seq_id = 10**6 + 7
     probe.begin(seq_id, history[:n])
     try:
@@ -395,20 +402,10 @@ def test_a_long_chunk_needs_the_features_of_its_window_only(eagle_engine, monkey
     """Of a chunk longer than MAX_WAITING the drafter reads the newest HEAD_WINDOW rows
     (`feature_rows`): fed only those (`feature_skip`, as the engine captures them), it keeps
     the same window and drafts the same tokens as fed every row."""
-    from speculant.llm import LLM
-    from speculant.speculators import feature_drafter
     from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
 
-    monkeypatch.setattr(feature_drafter, "MAX_WAITING", 24)
-    monkeypatch.setattr(feature_drafter, "HEAD_WINDOW", 10)
-    engine = eagle_engine
-    probe = engine.speculator(engine.speculator_names[0])
-    tok = engine.tokenizer
-    history = tok.encode(chats(engine, ["Name a colour."])[0]) + tok.encode(
-        " Blue is the colour of a clear sky at noon, of deep water far from the shore.")
-    n = len(history) - 1
+    probe, history, n, feats = small_window_probe(eagle_engine, monkeypatch)
     assert probe.feature_rows(24) == 24 and probe.feature_rows(n) == 10
-    feats = LLM.from_engine(engine).hidden_states(history[:n], probe.hidden_layers)
     full, windowed = 10**6 + 8, 10**6 + 9
     drafts = {}
     try:
