@@ -352,7 +352,6 @@ def test_a_silent_sequence_reports_the_rows_its_revival_computes(eagle_engine, m
         probe.end(seq_id)
 
 
-@torch.inference_mode()
 def small_window_probe(engine, monkeypatch):
     """The engine's feature drafter with MAX_WAITING 24 and HEAD_WINDOW 10, a history longer
     than that, n = its committed length, and the target's features of those n tokens."""
@@ -371,6 +370,7 @@ def small_window_probe(engine, monkeypatch):
                                                                     probe.hidden_layers)
 
 
+@torch.inference_mode()
 def test_a_long_wait_restarts_the_head_on_a_window(eagle_engine, monkeypatch):
     """More than MAX_WAITING waiting entries (a long prompt chunk) restart the head's cache on the newest
     HEAD_WINDOW: the draft is then the head's answer for a sequence that starts at the
