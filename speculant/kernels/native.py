@@ -220,6 +220,13 @@ def _register_fakes() -> None:
         rows = h.shape[0] if hidden_rows is None else hidden_rows.shape[0]
         return torch.empty_like(h), [h.new_empty(rows, h.shape[1]) for _ in hidden_layers]
 
+    @torch.library.register_fake("speculant::eagle3_layer")
+    def _(embeds, hidden, weights, qtypes, out_features, cos, sin, positions, k_cache, v_cache,
+          slot_mapping, block_tables, token_seq, token_pos, logits_rows, num_heads, eps, scale):
+        rows = 0 if logits_rows is None else logits_rows.shape[0]
+        return hidden.new_empty(hidden.shape, dtype=torch.float32), \
+            hidden.new_empty(rows, out_features[4], dtype=torch.float32)
+
 
 def main() -> None:
     start = time.perf_counter()

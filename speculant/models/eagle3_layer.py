@@ -4,10 +4,13 @@
 about 25 PyTorch operators per forward. Drafting runs the layer for one or a few rows per
 sequence, where each operator's Python and dispatch cost, not arithmetic, sets the time. This
 runs the same layer as the target's layers run (`models/llama.py`): fused QKV and gate/up
-projections packed as Q8_0, RoPE with the KV write, paged attention, the residual add fused with
-the next norm: 11 kernel calls. The weights are the head's packed ones (`pack_linears`), so the
-projections are bit-identical to the reference path's; norms and adds round like the target's
-kernels do (outputs and K/V within 1e-4 of the reference, tested).
+projections packed like the head's other matrices, RoPE with the KV write, paged attention, the
+residual add fused with the next norm, and then the final norm and the LM head over the rows
+that draft, all in one native call (csrc/head_layer.cpp; chained from Python, its ~13 kernel
+calls cost ~0.2 ms of dispatch per forward, as much as the kernels at one row). The weights are
+the head's packed ones (`pack_linears`), so the projections are bit-identical to the reference
+path's; norms and adds round like the target's kernels do (outputs and K/V within 1e-4 of the
+reference, tested).
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from speculant.engine.forward_batch import ForwardBatch
-from speculant.kernels import (PackedLinear, add_rms_norm, paged_attention, rms_norm,
-                               rope_write_kv, silu_mul)
+from speculant.kernels import PackedLinear, rms_norm
+from speculant.kernels.packed_linear import QTYPES
 
 
 @dataclass(slots=True)
@@ -29,11 +32,29 @@ class PackedEagle3Layer:
     post_norm: torch.Tensor  # [d] fp32
     gate_up: PackedLinear  # [d] -> [2 I]
     down: PackedLinear  # [I] -> [d]
+    final_norm: torch.Tensor  # [d] fp32, before the LM head
+    lm_head: PackedLinear  # [d] -> [draft_vocab]
     rope_cos: torch.Tensor  # [max_positions, hd]
     rope_sin: torch.Tensor
     num_heads: int
     eps: float
     scale: float
+    # the native call's weight list (csrc/head_layer.cpp's Slot order), qtype codes and widths
+    weights: list = None
+    qtypes: list = None
+    out_features: list = None
+
+    def __post_init__(self) -> None:
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down, self.lm_head)
+
+        def packed(m: PackedLinear) -> list:
+            return [m.data, m.scales, m.mins]
+
+        self.weights = [self.input_norm, self.hidden_norm, *packed(self.qkv),
+                        *packed(self.o_proj), self.post_norm, *packed(self.gate_up),
+                        *packed(self.down), self.final_norm, *packed(self.lm_head)]
+        self.qtypes = [QTYPES.index(m.qtype) for m in linears]
+        self.out_features = [m.out_features for m in linears]
 
     @classmethod
     def of(cls, head) -> PackedEagle3Layer | None:
@@ -41,7 +62,8 @@ class PackedEagle3Layer:
         they are not (float32 weights keep the reference path)."""
         m, c = head.midlayer, head.config
         a, mlp = m.self_attn, m.mlp
-        mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                head.lm_head)
         if not all(hasattr(x, "packed") for x in mods):
             return None
 
@@ -52,24 +74,25 @@ class PackedEagle3Layer:
                    qkv=PackedLinear.concat([a.q_proj.packed, a.k_proj.packed, a.v_proj.packed]),
                    o_proj=a.o_proj.packed, post_norm=vec(m.post_attention_layernorm),
                    gate_up=PackedLinear.concat([mlp.gate_proj.packed, mlp.up_proj.packed]),
-                   down=mlp.down_proj.packed, rope_cos=head.rope_cos, rope_sin=head.rope_sin,
+                   down=mlp.down_proj.packed, final_norm=vec(head.norm),
+                   lm_head=head.lm_head.packed, rope_cos=head.rope_cos, rope_sin=head.rope_sin,
                    num_heads=c.num_heads, eps=c.rms_norm_eps, scale=c.head_dim ** -0.5)
 
     def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 logits_rows: torch.Tensor | None = None):
         # embeds [T, d] token embeddings; hidden [T, d] fused feature or previous output;
         # k_cache [num_blocks, KV, hd, block_size] / v_cache [num_blocks, block_size, KV, hd]
-        # (kernels/kv_layout.py), written at batch.slot_mapping
-        """-> h_out [T, d], the layer's output before the head's final norm."""
-        eps, num_tokens = self.eps, embeds.shape[0]
-        h = hidden.float().contiguous().clone()  # the residual carries the hidden
-        x = torch.cat([rms_norm(embeds.float().contiguous(), self.input_norm, eps),
-                       rms_norm(h, self.hidden_norm, eps)], dim=-1)  # [T, 2d]
-        q = rope_write_kv(self.qkv(x), None, None, None, eps, self.rope_cos, self.rope_sin,
-                          batch.positions, k_cache, v_cache, batch.slot_mapping,
-                          self.num_heads)  # [T, H, hd]
-        attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.token_seq,
-                               batch.positions.to(torch.int32), self.scale)
-        x = add_rms_norm(h, self.o_proj(attn.reshape(num_tokens, -1)), self.post_norm, eps)
-        h.add_(self.down(silu_mul(self.gate_up(x))))
-        return h
+        # (kernels/kv_layout.py), written at batch.slot_mapping; logits_rows [R] int64
+        """-> (h_out [T, d], the layer's output before the head's final norm; logits
+        [R, draft_vocab] of its rows `logits_rows`, [0, draft_vocab] without them)."""
+        return torch.ops.speculant.eagle3_layer.default(
+            embeds, hidden, self.weights, self.qtypes, self.out_features, self.rope_cos,
+            self.rope_sin, batch.positions, k_cache, v_cache, batch.slot_mapping,
+            batch.block_tables, batch.token_seq, batch.positions.to(torch.int32), logits_rows,
+            self.num_heads, self.eps, self.scale)
+
+    def logits(self, h_out: torch.Tensor) -> torch.Tensor:
+        """h_out [R, d] -> [R, draft_vocab]: the final norm and the LM head, as the layer's call
+        computes them for its `logits_rows`."""
+        return self.lm_head(rms_norm(h_out.float().contiguous(), self.final_norm, self.eps))

@@ -444,7 +444,7 @@ def test_packed_layer_equals_the_reference_maths(eagle_engine):
         probe.packed_layer = packed
         try:
             batch = build_forward_batch(cache, chunks)
-            outs[packed is not None] = (probe._run_layer(batch, hidden.clone()),
+            outs[packed is not None] = (probe._run_layer(batch, hidden.clone())[0],
                                         gather_k(cache.k[0], batch.slot_mapping,
                                                  cache.block_size).float(),
                                         gather_v(cache.v[0], batch.slot_mapping).float())
@@ -454,6 +454,67 @@ def test_packed_layer_equals_the_reference_maths(eagle_engine):
             cache.free(seq_id + 2)
     for fast, ref in zip(outs[True], outs[False]):
         assert torch.allclose(fast, ref, atol=1e-4, rtol=1e-4), (fast - ref).abs().max()
+
+
+def _chained_from_python(layer, embeds, hidden, batch, k_cache, v_cache):
+    """The packed layer's maths as its kernels called one by one from Python (what the native
+    `eagle3_layer` call chains in C++)."""
+    from speculant.kernels import add_rms_norm, paged_attention, rms_norm, rope_write_kv, silu_mul
+
+    eps, num_tokens = layer.eps, embeds.shape[0]
+    h = hidden.float().contiguous().clone()
+    x = torch.cat([rms_norm(embeds.float().contiguous(), layer.input_norm, eps),
+                   rms_norm(h, layer.hidden_norm, eps)], dim=-1)
+    q = rope_write_kv(layer.qkv(x), None, None, None, eps, layer.rope_cos, layer.rope_sin,
+                      batch.positions, k_cache, v_cache, batch.slot_mapping, layer.num_heads)
+    attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.token_seq,
+                           batch.positions.to(torch.int32), layer.scale)
+    x = add_rms_norm(h, layer.o_proj(attn.reshape(num_tokens, -1)), layer.post_norm, eps)
+    h.add_(layer.down(silu_mul(layer.gate_up(x))))
+    rows = h.index_select(0, batch.logits_indices)
+    return h, layer.lm_head(rms_norm(rows.contiguous(), layer.final_norm, eps))
+
+
+@torch.inference_mode()
+def test_one_native_call_equals_the_kernels_chained_from_python(eagle_engine):
+    """The packed layer runs as one native call (csrc/head_layer.cpp) with the LM head over the
+    rows that draft: its outputs, K/V and logits are bit-identical to the same kernels called
+    one by one from Python, on a ragged batch of two sequences; without logits rows it returns
+    the same outputs and no logits."""
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+
+    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
+    if probe.packed_layer is None:
+        pytest.skip("no packed layer for this head kind (or no native kernels)")
+    layer, cache, d = probe.packed_layer, probe.cache, probe.head.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(7, d, generator=gen)  # [T, d]: 4 + 3 rows
+    ids = torch.randint(0, eagle_engine.model_config.vocab_size, (7,), generator=gen).tolist()
+    embeds = probe.head.embed(torch.tensor(ids))
+    outs = {}
+    for seq_id, how in ((10**6, "one call"), (10**6 + 1, "chained"), (10**6 + 4, "no logits")):
+        cache.allocate(seq_id)
+        cache.allocate(seq_id + 2)
+        try:
+            batch = build_forward_batch(cache, [SeqChunk(seq_id, 0, ids[:4], 1),
+                                                SeqChunk(seq_id + 2, 0, ids[4:], 2)])
+            k, v = cache.k[0], cache.v[0]
+            if how == "chained":
+                h, logits = _chained_from_python(layer, embeds, hidden, batch, k, v)
+            else:
+                rows = batch.logits_indices if how == "one call" else None
+                h, logits = layer(embeds, hidden, batch, k, v, rows)
+            outs[how] = (h, logits, gather_k(k, batch.slot_mapping, cache.block_size),
+                         gather_v(v, batch.slot_mapping))
+        finally:
+            cache.free(seq_id)
+            cache.free(seq_id + 2)
+    assert outs["one call"][1].shape == (3, probe.head.config.draft_vocab_size)
+    for got, ref in zip(outs["one call"], outs["chained"]):
+        assert torch.equal(got, ref)
+    assert outs["no logits"][1].shape[0] == 0
+    assert torch.equal(outs["no logits"][0], outs["one call"][0])
+    assert torch.equal(layer.logits(outs["one call"][0][[3, 5, 6]]), outs["one call"][1])
 
 
 @pytest.mark.parametrize("field, value, message", [

@@ -19,10 +19,6 @@
 namespace speculant {
 namespace {
 
-// qtype codes of decoder_stack_register's `qtypes`, in the order of packed_linear.QTYPES.
-constexpr std::string_view kQTypes[] = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"};
-constexpr int64_t kNumQTypes = sizeof(kQTypes) / sizeof(kQTypes[0]);
-
 // Entries of `weights` per layer, in this order (kernels/decoder.py builds the list).
 enum Slot : int64_t {
   kAttnNorm, kQkv, kQkvScales, kQkvMins, kQkvBias, kQNorm, kKNorm,
@@ -67,6 +63,11 @@ std::shared_ptr<const Stack> find_stack(int64_t id) {
 
 }  // namespace
 
+std::string_view qtype_name(int64_t code) {
+  TORCH_CHECK(code >= 0 && code < kNumQTypes, "speculant: bad qtype code ", code);
+  return kQTypes[code];
+}
+
 int64_t decoder_stack_register(const c10::List<std::optional<at::Tensor>>& weights,
                                at::IntArrayRef qtypes, at::IntArrayRef out_features) {
   const int64_t num_layers = static_cast<int64_t>(qtypes.size()) / 4;
@@ -78,11 +79,7 @@ int64_t decoder_stack_register(const c10::List<std::optional<at::Tensor>>& weigh
   auto stack = std::make_shared<Stack>();
   stack->num_layers = num_layers;
   stack->out_features.assign(out_features.begin(), out_features.end());
-  for (int64_t code : qtypes) {
-    TORCH_CHECK(code >= 0 && code < kNumQTypes, "speculant::decoder_stack_register: bad qtype ",
-                code);
-    stack->qtypes.push_back(kQTypes[code]);
-  }
+  for (int64_t code : qtypes) stack->qtypes.push_back(qtype_name(code));
   for (int64_t i = 0; i < num_layers * kSlotsPerLayer; ++i) {
     stack->weights.push_back(weights.get(i));
   }

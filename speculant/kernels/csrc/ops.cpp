@@ -34,6 +34,12 @@ TORCH_LIBRARY(speculant, m) {
       "Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
       "Tensor token_seq, Tensor token_pos, Tensor final_norm, int[] hidden_layers, "
       "int num_heads, float eps, float scale, Tensor? hidden_rows=None) -> (Tensor, Tensor[])");
+  m.def(
+      "eagle3_layer(Tensor embeds, Tensor hidden, Tensor?[] weights, int[] qtypes, "
+      "int[] out_features, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor token_seq, "
+      "Tensor token_pos, Tensor? logits_rows, int num_heads, float eps, float scale) "
+      "-> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {
@@ -46,4 +52,5 @@ TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("rope_write_kv", &speculant::rope_write_kv);
   m.impl("decoder_stack_register", &speculant::decoder_stack_register);
   m.impl("decoder_stack", &speculant::decoder_stack);
+  m.impl("eagle3_layer", &speculant::eagle3_layer);
 }

@@ -11,6 +11,12 @@
 
 namespace speculant {
 
+// qtype codes of the operators that take weights in lists (decoder_stack_register,
+// eagle3_layer), in the order of packed_linear.QTYPES.
+inline constexpr std::string_view kQTypes[] = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"};
+inline constexpr int64_t kNumQTypes = sizeof(kQTypes) / sizeof(kQTypes[0]);
+std::string_view qtype_name(int64_t code);  // checks the code (decoder.cpp)
+
 // x [M, in] f32 times a packed weight (layouts in linear.cpp) -> [M, out_features] f32.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& scales,
@@ -65,5 +71,19 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& token_pos, const at::Tensor& final_norm, at::IntArrayRef hidden_layers,
     int64_t num_heads, double eps, double scale,
     const std::optional<at::Tensor>& hidden_rows = std::nullopt);
+
+// An EAGLE-3 head's decoder layer on the operators above (head_layer.cpp): embeds and hidden
+// [T, hidden] -> the layer's output [T, hidden] (K/V written at slot_mapping), and the LM
+// head's logits [R, draft_vocab] of its rows logits_rows after the final norm ([0, draft_vocab]
+// without them). weights: 19 entries (see head_layer.cpp's Slot), qtypes and out_features: of
+// the qkv, output, gate/up, down and LM head matrices.
+std::tuple<at::Tensor, at::Tensor> eagle3_layer(
+    const at::Tensor& embeds, const at::Tensor& hidden,
+    const c10::List<std::optional<at::Tensor>>& weights, at::IntArrayRef qtypes,
+    at::IntArrayRef out_features, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
+    const at::Tensor& token_pos, const std::optional<at::Tensor>& logits_rows, int64_t num_heads,
+    double eps, double scale);
 
 }  // namespace speculant
