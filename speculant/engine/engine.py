@@ -336,7 +336,7 @@ class Engine:
         chunks += [self._decode_chunk(seq, drafts.get(seq.seq_id)) for seq in step.decode]
         try:
             batch = build_forward_batch(self.cache, chunks, self.model.device,
-                                        self._step_layers(step))
+                                        self._step_layers(step, chunks))
             out = (self.state_rounds.forward(batch, chunks, set(drafts))
                    if self.state_rounds else self.model.forward(batch, self.cache))
         except Exception:  # a failed forward fails its sequences, never the engine
@@ -355,14 +355,15 @@ class Engine:
                       t0, t1, t2, t3)
         return updates
 
-    def _step_layers(self, step) -> tuple[int, ...]:
-        """Target layers to capture in this step: those of the speculators its sequences use,
-        and those its requests asked for. Nothing when nobody needs them (no copies)."""
+    def _step_layers(self, step, chunks: list[SeqChunk]) -> tuple[int, ...]:
+        """Target layers to capture in this step: those of the speculators that want rows of
+        its chunks (`_feature_rows`), and those its requests asked for. Nothing when nobody
+        needs them (no copies)."""
         seqs = [s for s, _ in step.prefill] + step.decode
         layers = set()
-        for seq in seqs:
+        for seq, chunk in zip(seqs, chunks):
             layers.update(seq.capture_layers)
-            if seq.spec_types:
+            if seq.spec_types and chunk.num_feature_rows:
                 layers.update(self.chain.hidden_layers(seq.spec_types))
         return tuple(sorted(layers))
 
@@ -388,7 +389,8 @@ class Engine:
         layers cost ~1% of a rag run at c=8)."""
         if seq.capture_layers:
             return num_tokens
-        return self.chain.feature_rows(seq.spec_types, num_tokens) if seq.spec_types else 0
+        return self.chain.feature_rows(seq.seq_id, seq.spec_types, num_tokens) \
+            if seq.spec_types else 0
 
     def _propose(self, decoding: list[Sequence]) -> dict[int, Draft]:
         self.chain.round_catch_up_seconds = 0.0

@@ -324,10 +324,11 @@ class Speculator(ABC):
         following it (priced per sequence by the chain, `call_cost.py`); 0 by default."""
         return 0
 
-    def feature_rows(self, num_tokens: int) -> int:
-        """Of a prompt chunk of `num_tokens` tokens, how many (the newest) this speculator
-        reads the target's features of (`hidden_layers`); the target captures no more when no
-        other reader wants them. Default: all."""
+    def feature_rows(self, seq_id: int, num_tokens: int) -> int:
+        """Of a chunk of `num_tokens` tokens of sequence `seq_id`, how many (the newest) this
+        speculator reads the target's features of (`hidden_layers`); the target captures no
+        more when no other reader wants them, and no layer at all in a step where nobody
+        wants rows. Default: all."""
         return num_tokens
 
     @abstractmethod

@@ -190,10 +190,10 @@ class SpeculatorChain:
             layers.update(self.speculators[name].hidden_layers)
         return tuple(sorted(layers))
 
-    def feature_rows(self, types, num_tokens: int) -> int:
-        """Of a prompt chunk of `num_tokens` tokens, how many (the newest) the speculators
-        `types` read the target's features of (0 when none reads features)."""
-        return max((self.speculators[name].feature_rows(num_tokens) for name in types
+    def feature_rows(self, seq_id: int, types, num_tokens: int) -> int:
+        """Of a chunk of `num_tokens` tokens of sequence `seq_id`, how many (the newest) the
+        speculators `types` read the target's features of (0 when none reads them now)."""
+        return max((self.speculators[name].feature_rows(seq_id, num_tokens) for name in types
                     if self.speculators[name].hidden_layers), default=0)
 
     def check_types(self, types) -> tuple[str, ...]:

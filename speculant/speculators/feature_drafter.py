@@ -126,6 +126,13 @@ HEAD_WINDOW = 128
 # on 32, the head drafted worse after each silence: qa at c=1 accepted 1.33 tokens per step
 # against 1.42, and was asked less, so fell silent more.)
 SILENT_AFTER = PENDING_LIMIT
+# A sequence the head was never asked for by its DORMANT_AFTER-th generated token is dormant:
+# the target captures no features for it and `process` keeps nothing, until the chain asks the
+# head for it (which wakes it: its window then starts at that step, so that first ask drafts
+# nothing). Where the chain never asks the head (copy-heavy text, where n-gram drafts win) its
+# features were still captured and kept at every step, ~0.5-1% of a summarization run at c=1
+# with the head asked once in 20 prompts. A sequence the head drafted for once never sleeps.
+DORMANT_AFTER = 32
 # Waiting features are views of their steps' tensors (every sequence's rows of a step,
 # `StepFeatures`); past this many a sequence joins its newest views into one tensor of its
 # own, so it keeps at most this many steps' tensors alive, not those of its 256 waiting rows
@@ -185,6 +192,8 @@ class _SeqState:
     # [1, hidden] output of the newest committed entry: the source of the next round's first
     # draft token; None when it is not computed
     last: torch.Tensor | None = None
+    prompt_len: int = 0
+    dormant: bool = False  # DORMANT_AFTER: no features kept, none wanted
 
     def features(self) -> torch.Tensor:
         """[n, n_feat * hidden] the waiting entries' features, as one tensor."""
@@ -298,7 +307,7 @@ class FeatureDrafter(Speculator):
         if seq_id in self._seqs:
             raise ValueError(f"{self.name}: sequence {seq_id} already begun")
         self.cache.allocate(seq_id)
-        self._seqs[seq_id] = _SeqState(layers=self.hidden_layers)
+        self._seqs[seq_id] = _SeqState(layers=self.hidden_layers, prompt_len=len(prompt_ids))
 
     def end(self, seq_id: int) -> None:
         if self._seqs.pop(seq_id, None) is not None:
@@ -321,7 +330,8 @@ class FeatureDrafter(Speculator):
         window on the newest HEAD_WINDOW; compute the entries of sequences with PENDING_LIMIT
         or more waiting, in one batched head forward (as the seeds mirror target batches into
         the draft context)."""
-        batch = [c for c in batch if c.seq_id in self._seqs and c.token_ids]
+        batch = [c for c in batch if c.seq_id in self._seqs and c.token_ids
+                 and not self._seqs[c.seq_id].dormant]
         missing = [c.seq_id for c in batch if c.step_features is None]
         if missing:
             raise ValueError(f"{self.name}: no target features for sequence {missing[0]}")
@@ -329,6 +339,9 @@ class FeatureDrafter(Speculator):
         for c in batch:
             state = self._seqs[c.seq_id]
             self._append(state, c)
+            if self._falls_dormant(state):
+                self._sleep(c.seq_id, state)
+                continue
             if len(state.tokens) > MAX_WAITING:
                 self._restart_window(c.seq_id, state)
             if len(state.tokens) >= PENDING_LIMIT and not self._is_silent(state):
@@ -339,9 +352,13 @@ class FeatureDrafter(Speculator):
             with torch.inference_mode():
                 self._compute_committed(chunks)
 
-    def feature_rows(self, num_tokens: int) -> int:
-        """A prompt chunk longer than MAX_WAITING restarts the head's window on its newest
-        HEAD_WINDOW entries (`process`): the older rows' features would never be read."""
+    def feature_rows(self, seq_id: int, num_tokens: int) -> int:
+        """None for a dormant sequence (DORMANT_AFTER); of a chunk longer than MAX_WAITING the
+        newest HEAD_WINDOW: it restarts the head's window there (`process`), the older rows'
+        features would never be read."""
+        state = self._seqs.get(seq_id)
+        if state is not None and state.dormant:
+            return 0
         return num_tokens if num_tokens <= MAX_WAITING else HEAD_WINDOW
 
     def _append(self, state: _SeqState, c: CommittedTokens) -> None:
@@ -371,6 +388,17 @@ class FeatureDrafter(Speculator):
         state.tokens.extend(c.token_ids[c.feature_skip:])
         state.next_token = c.next_token_id
         state.last = None  # the newest entry moved on: computed again when it is needed
+
+    def _falls_dormant(self, state: _SeqState) -> bool:
+        committed = state.base + state.cached_len + len(state.tokens)
+        return state.asked_len is None and committed - state.prompt_len > DORMANT_AFTER
+
+    def _sleep(self, seq_id: int, state: _SeqState) -> None:
+        """Drop the sequence's head cache and waiting features: it keeps none while dormant."""
+        self.cache.truncate(seq_id, 0)
+        state.cached_len, state.tokens, state.last, state.next_token = 0, [], None, None
+        state.clear_features()
+        state.dormant = True
 
     def _is_silent(self, state: _SeqState) -> bool:
         return state.asked_len is None or \
@@ -466,8 +494,13 @@ class FeatureDrafter(Speculator):
 
     def revival_rows(self, seq_id: int) -> int:
         """A silent sequence (never asked, or not lately) restarts on its newest HEAD_WINDOW
-        waiting entries when asked: rows a followed sequence would not need."""
+        waiting entries when asked: rows a followed sequence would not need. A dormant one
+        counts a whole window: asking it wakes it, and it drafts only once it has read that
+        many steps again (priced as a silent sequence with a full window, the chain asks it
+        as rarely as before it slept)."""
         state = self._state(seq_id)
+        if state.dormant:
+            return HEAD_WINDOW
         if not self._is_silent(state):
             return 0
         return min(len(state.tokens), HEAD_WINDOW)
@@ -491,9 +524,13 @@ class FeatureDrafter(Speculator):
         self.catch_up_rows = revived_rows
 
     def _resume(self, r: DraftRequest) -> None:
-        """A silent sequence asked (again) restarts on its newest HEAD_WINDOW entries."""
+        """A silent sequence asked (again) restarts on its newest HEAD_WINDOW entries; a
+        dormant one wakes, its window starting at the step the target runs next."""
         state = self._state(r.seq_id)
-        if self._is_silent(state) and len(state.tokens) > HEAD_WINDOW:
+        if state.dormant:
+            state.dormant = False
+            state.base = len(r.token_ids) - 1  # the positions the target's KV holds
+        elif self._is_silent(state) and len(state.tokens) > HEAD_WINDOW:
             self._restart_window(r.seq_id, state)
         state.asked_len = len(r.token_ids)
 

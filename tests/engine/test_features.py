@@ -111,7 +111,7 @@ class WindowProbe(FeatureProbe):
 
     name = "window_probe"
 
-    def feature_rows(self, num_tokens):
+    def feature_rows(self, seq_id, num_tokens):
         return min(num_tokens, 4)
 
 

@@ -405,7 +405,7 @@ def test_a_long_chunk_needs_the_features_of_its_window_only(eagle_engine, monkey
     from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
 
     probe, history, n, feats = small_window_probe(eagle_engine, monkeypatch)
-    assert probe.feature_rows(24) == 24 and probe.feature_rows(n) == 10
+    assert probe.feature_rows(-1, 24) == 24 and probe.feature_rows(-1, n) == 10
     full, windowed = 10**6 + 8, 10**6 + 9
     drafts = {}
     try:
@@ -421,6 +421,73 @@ def test_a_long_chunk_needs_the_features_of_its_window_only(eagle_engine, monkey
     finally:
         probe.end(full)
         probe.end(windowed)
+
+
+def test_a_sequence_the_head_is_never_asked_for_falls_dormant(eagle_engine, monkeypatch):
+    """A sequence the chain never asks the head for is dormant after DORMANT_AFTER generated
+    tokens: the target's steps capture no layer for it from then on, and the output still
+    equals plain decoding."""
+    from speculant.speculators import feature_drafter
+
+    monkeypatch.setattr(feature_drafter, "DORMANT_AFTER", 4)
+    prompts = chats(eagle_engine, PROMPTS[:1])
+    plain = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                             spec=SpecParams(enabled=False)))
+    captured = []
+    forward = eagle_engine.model.forward
+
+    def spy(batch, cache):
+        captured.append(tuple(batch.hidden_layers))
+        return forward(batch, cache)
+
+    monkeypatch.setattr(eagle_engine.model, "forward", spy)
+    monkeypatch.setattr(eagle_engine.chain, "_budget_model_drafts", lambda *a, **k: [])
+    spec = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                            spec=SpecParams(n_max=3)))
+    assert spec[0].output_ids == plain[0].output_ids
+    layers = eagle_engine.speculator(eagle_engine.speculator_names[0]).hidden_layers
+    # the prompt and 5 generated tokens (one step each: nothing drafts) with the head's
+    # layers, then none for the 11 steps left
+    assert captured == [tuple(sorted(layers))] * 6 + [()] * 10
+    assert eagle_engine.stats.num_speculator_errors == 0
+
+
+@torch.inference_mode()
+def test_a_dormant_sequence_wakes_when_asked(eagle_engine, monkeypatch):
+    """Asked for a dormant sequence, the head drafts nothing that round and starts its window
+    at the step the target runs next; fed that step's features, it drafts again."""
+    from speculant.llm import LLM
+    from speculant.speculators import feature_drafter
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+
+    monkeypatch.setattr(feature_drafter, "DORMANT_AFTER", 4)
+    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
+    tok = eagle_engine.tokenizer
+    prompt = tok.encode(chats(eagle_engine, ["Name a colour."])[0])
+    history = prompt + tok.encode(" Blue is the colour of a clear sky at noon.")
+    feats = LLM.from_engine(eagle_engine).hidden_states(history, probe.hidden_layers)
+    p, seq_id = len(prompt), 10**6 + 11
+
+    def commit(start, end):
+        probe.process([CommittedTokens(seq_id, start, history[start:end], history[end],
+                                       {i: f[start:end] for i, f in feats.items()})])
+
+    probe.begin(seq_id, prompt)
+    try:
+        commit(0, p)
+        for i in range(p, p + 5):  # 5 generated tokens, never asked
+            assert probe.feature_rows(seq_id, 1) == 1
+            commit(i, i + 1)
+        assert probe.feature_rows(seq_id, 1) == 0
+        assert probe.revival_rows(seq_id) == feature_drafter.HEAD_WINDOW
+        asked = p + 6  # history length when asked: positions 0..p+4 in the target's KV
+        assert probe.draft([DraftRequest(seq_id, history[:asked], DraftParams(n_max=3))]) == {}
+        assert probe.feature_rows(seq_id, 1) == 1 and probe.revival_rows(seq_id) == 0
+        commit(asked - 1, asked)  # the step after the ask
+        drafts = probe.draft([DraftRequest(seq_id, history[:asked + 1], DraftParams(n_max=3))])
+        assert len(drafts[seq_id].token_ids) == 3
+    finally:
+        probe.end(seq_id)
 
 
 @torch.inference_mode()
