@@ -490,19 +490,26 @@ def test_a_dormant_sequence_wakes_when_asked(eagle_engine, monkeypatch):
         probe.end(seq_id)
 
 
+def packed_layer_probe(engine, num_rows: int, seed: int):
+    """The engine's feature drafter (skips when its head has no packed layer), random hidden
+    rows [num_rows, d] and as many random token ids."""
+    probe = engine.speculator(engine.speculator_names[0])
+    if probe.packed_layer is None:
+        pytest.skip("no packed layer for this head kind (or no native kernels)")
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_rows, probe.head.config.hidden_size, generator=gen)
+    ids = torch.randint(0, engine.model_config.vocab_size, (num_rows,), generator=gen).tolist()
+    return probe, hidden, ids
+
+
 @torch.inference_mode()
 def test_packed_layer_equals_the_reference_maths(eagle_engine):
     """The head's layer on the target's fused kernels (`PackedEagle3Layer`) gives the outputs and
     the K/V of the op-by-op reference path, on a ragged batch of two sequences."""
     from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 
-    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
-    if probe.packed_layer is None:
-        pytest.skip("no packed layer for this head kind (or no native kernels)")
-    layer, cache, d = probe.packed_layer, probe.cache, probe.head.config.hidden_size
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(9, d, generator=gen)  # [T, d]: 5 + 4 rows
-    ids = torch.randint(0, eagle_engine.model_config.vocab_size, (9,), generator=gen).tolist()
+    probe, hidden, ids = packed_layer_probe(eagle_engine, 9, seed=0)  # 5 + 4 rows
+    layer, cache = probe.packed_layer, probe.cache
     outs = {}
     for seq_id, packed in ((10**6, layer), (10**6 + 1, None)):  # same rows, own K/V each
         cache.allocate(seq_id)
@@ -550,13 +557,8 @@ def test_one_native_call_equals_the_kernels_chained_from_python(eagle_engine):
     the same outputs and no logits."""
     from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 
-    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
-    if probe.packed_layer is None:
-        pytest.skip("no packed layer for this head kind (or no native kernels)")
-    layer, cache, d = probe.packed_layer, probe.cache, probe.head.config.hidden_size
-    gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(7, d, generator=gen)  # [T, d]: 4 + 3 rows
-    ids = torch.randint(0, eagle_engine.model_config.vocab_size, (7,), generator=gen).tolist()
+    probe, hidden, ids = packed_layer_probe(eagle_engine, 7, seed=1)  # 4 + 3 rows
+    layer, cache = probe.packed_layer, probe.cache
     embeds = probe.head.embed(torch.tensor(ids))
     outs = {}
     for seq_id, how in ((10**6, "one call"), (10**6 + 1, "chained"), (10**6 + 4, "no logits")):
