@@ -131,7 +131,7 @@ SILENT_AFTER = PENDING_LIMIT
 # head for it (which wakes it: its window then starts at that step, so that first ask drafts
 # nothing). Where the chain never asks the head (copy-heavy text, where n-gram drafts win) its
 # features were still captured and kept at every step, ~0.5-1% of a summarization run at c=1
-# with the head asked once in 20 prompts. A sequence the head drafted for once never sleeps.
+# with the head asked once in 20 prompts. A sequence the head was asked for once never sleeps.
 DORMANT_AFTER = 32
 # Waiting features are views of their steps' tensors (every sequence's rows of a step,
 # `StepFeatures`); past this many a sequence joins its newest views into one tensor of its
@@ -353,7 +353,7 @@ class FeatureDrafter(Speculator):
                 self._compute_committed(chunks)
 
     def feature_rows(self, seq_id: int, num_tokens: int) -> int:
-        """None for a dormant sequence (DORMANT_AFTER); of a chunk longer than MAX_WAITING the
+        """No row of a dormant sequence (DORMANT_AFTER); of a chunk longer than MAX_WAITING the
         newest HEAD_WINDOW: it restarts the head's window there (`process`), the older rows'
         features would never be read."""
         state = self._seqs.get(seq_id)
@@ -554,7 +554,8 @@ class FeatureDrafter(Speculator):
         except CacheFullError:
             return None
         self.num_draft_forwards += 1
-        h_out, logits = self._run_layer(batch, hidden, batch.logits_indices if with_logits else None)
+        h_out, logits = self._run_layer(batch, hidden,
+                                        batch.logits_indices if with_logits else None)
         for chunk in chunks:
             self.cache.set_length(chunk.seq_id, chunk.start_pos + len(chunk.token_ids))
         rows = h_out.index_select(0, batch.logits_indices)
