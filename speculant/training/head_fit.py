@@ -193,13 +193,15 @@ def heldout_metrics(head, rows: list[Row], layers, num_steps: int) -> dict:
         alive = None
         run = torch.zeros(row.num_tokens, dtype=torch.long)
         for j, (h, idx, valid) in enumerate(unroll(head, row, layers, num_steps)):
-            prob, col = torch.softmax(head.draft_logits(h).float(), dim=-1).max(-1)  # [T]
+            logits = head.draft_logits(h).float()  # [T, draft_vocab]
+            col = logits.argmax(-1)  # [T]; the probability is read at the first position only
             agree = valid & (head.draft_to_target(col) == row.token_ids[row.shifted(2 + j)[0]])
             if j == 0:
                 base = valid
                 _add_by_category(per_cat, row, base, agree)
                 alive = agree
-                first_probs += prob[base].tolist()
+                first_probs += torch.softmax(logits[base], dim=-1).gather(
+                    -1, col[base][:, None])[:, 0].tolist()
                 first_agree += agree[base].tolist()
             else:
                 alive = alive & agree
