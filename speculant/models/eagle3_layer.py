@@ -14,7 +14,7 @@ reference, tested).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,10 +39,11 @@ class PackedEagle3Layer:
     num_heads: int
     eps: float
     scale: float
-    # the native call's weight list (csrc/head_layer.cpp's Slot order), qtype codes and widths
-    weights: list = None
-    qtypes: list = None
-    out_features: list = None
+    # the native call's weight list (csrc/head_layer.cpp's Slot order), qtype codes and widths,
+    # derived from the fields above
+    weights: list = field(init=False)
+    qtypes: list = field(init=False)
+    out_features: list = field(init=False)
 
     def __post_init__(self) -> None:
         linears = (self.qkv, self.o_proj, self.gate_up, self.down, self.lm_head)
