@@ -24,6 +24,7 @@ from speculant.engine.config import EngineConfig
 from speculant.engine.detokenizer import Detokenizer
 from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES
+from speculant.kernels.argmax import row_argmax
 from speculant.models.loader import load_model
 from speculant.models.hybrid import hybrid_model
 from speculant.models.llama import Model
@@ -519,10 +520,11 @@ class Engine:
             seq.captured[i].append(features.by_layer[i][rows].clone())
 
     def _batched_argmax(self, step, logits: torch.Tensor) -> list[int] | None:
-        """Argmax of every logits row in one op and one host sync, when greedy rows need it."""
+        """Argmax of every logits row in one op and one host sync, when greedy rows need it
+        (native on the CPU: torch.argmax took 0.8 ms of a c=8 verification step's 20 rows)."""
         needs = any(_fast_greedy(s.params) for s, _ in step.prefill) or any(
             _fast_greedy(s.params) for s in step.decode)
-        return logits.argmax(dim=-1).tolist() if needs and logits.shape[0] else None
+        return row_argmax(logits)[0].tolist() if needs and logits.shape[0] else None
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None,
                 draft: Draft | None) -> VerifyResult:

@@ -1,5 +1,5 @@
 """Compute kernels: compact-weight linear layers, paged attention, and the small fused operators of
-a decoder layer (RMSNorm, RoPE with the KV cache write, SiLU gate).
+a decoder layer (RMSNorm, RoPE with the KV cache write, SiLU gate), and greedy picks over logits.
 
 Each operation has a native CPU path (C++ in csrc/, built on first use by `native.py`: AVX2, and
 AVX-512 VNNI linear and attention loops picked at run time where the CPU has them, with
@@ -15,7 +15,7 @@ the cores), else from torch's OpenMP threads; SPECULANT_POOL=1 / 0 forces either
 import importlib
 
 __all__ = ["PackedLinear", "add_rms_norm", "native_available", "paged_attention", "rms_norm",
-           "rope_cos_sin", "rope_write_kv", "silu_mul"]
+           "rope_cos_sin", "rope_write_kv", "row_argmax", "silu_mul"]
 
 _EXPORTS = {
     "PackedLinear": "speculant.kernels.packed_linear",
@@ -26,6 +26,7 @@ _EXPORTS = {
     "silu_mul": "speculant.kernels.rowwise",
     "rope_cos_sin": "speculant.kernels.rope",
     "rope_write_kv": "speculant.kernels.rope",
+    "row_argmax": "speculant.kernels.argmax",
 }
 
 

@@ -208,6 +208,11 @@ def _register_fakes() -> None:
     def _(gate_up):
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
+    @torch.library.register_fake("speculant::row_argmax")
+    def _(logits, with_prob=False):
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows if with_prob else 0)
+
     @torch.library.register_fake("speculant::rope_write_kv")
     def _(qkv, bias, q_norm, k_norm, eps, cos, sin, positions, k_cache, v_cache, slot_mapping,
           num_heads):

@@ -462,16 +462,14 @@ class SpeculatorChain:
         num_positions = sum(len(d) for d in drafts.values())
         if num_positions > 0:  # EMA of seconds per drafted (sequence, position)
             per = max(0.0, seconds - catch_up_seconds) / num_positions
-            self._draft_seconds[name] = 0.8 * self._draft_seconds[name] + 0.2 * per \
-                if self._draft_seconds[name] else per
+            self._draft_seconds[name] = _ema(self._draft_seconds[name], per)
 
     def _observe_further_time(self, name: str, seconds: float, rows: int) -> None:
         """Book a draft call's forwards after the first: `rows` (sequence, position) rows in
         `seconds`; an EMA of seconds per row prices one more forward (`further_cost`)."""
         if rows > 0:
-            per = max(0.0, seconds) / rows
-            old = self._further_seconds[name]
-            self._further_seconds[name] = 0.8 * old + 0.2 * per if old else per
+            self._further_seconds[name] = _ema(self._further_seconds[name],
+                                               max(0.0, seconds) / rows)
 
     def _best(self, state: _SeqState, drafts: list[Draft], n_min: int,
               cost_per_token: float) -> tuple[Draft | None, float]:
@@ -587,6 +585,11 @@ class SpeculatorChain:
 
     def _timed(self, name: str, call: str):
         return _CallTimer(self.stats[name], call)
+
+
+def _ema(old: float, new: float, weight: float = 0.2) -> float:
+    """A time average that gives `new` `weight` (0 `old` = nothing seen yet: `new` itself)."""
+    return (1.0 - weight) * old + weight * new if old else new
 
 
 def best_ask_set(values: dict[int, float], cost_of) -> list[int]:

@@ -24,6 +24,7 @@ import torch
 
 from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError
+from speculant.kernels.argmax import row_argmax
 from speculant.speculators.base import (Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext,
                                         check_model_drafter_config)
 from speculant.speculators.continuation import ContinuationRecord
@@ -235,9 +236,8 @@ class DraftModelSpeculator(Speculator):
         if self.head_ids is None:
             logits = logits[:self.vocab_size]
         if self.config.temperature == 0.0:
-            probs = torch.softmax(logits, dim=-1)
-            col = int(torch.argmax(logits))
-            return self._token(col), float(probs[col]), None
+            cols, probs = row_argmax(logits[None].float(), with_prob=True)  # [1], [1]
+            return self._token(int(cols[0])), float(probs[0]), None
         probs = torch.softmax(logits / self.config.temperature, dim=-1)
         col = int(torch.multinomial(probs, 1, generator=self._generator))
         if self.head_ids is not None:  # q is zero outside the head's tokens

@@ -54,6 +54,7 @@ import torch
 from speculant.engine.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError, KVCache
 from speculant.kernels import paged_attention
+from speculant.kernels.argmax import row_argmax
 from speculant.kernels.kv_layout import write_kv
 from speculant.models.packed_head import pack_linears, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
@@ -611,11 +612,10 @@ class FeatureDrafter(Speculator):
     def _pick(self, logits: torch.Tensor) -> list[tuple[int, float, torch.Tensor | None]]:
         """logits [R, draft_vocab] -> per row (target token id, its draft probability, q over
         the target's vocabulary [vocab] when sampling). Greedy: every row's argmax and its
-        softmax probability in one pass (per row, with a host read per scalar, ~70 us of a
-        ~1.6 ms drafting round at c=1)."""
+        softmax probability in one native pass (per row, with a host read per scalar, ~70 us of
+        a ~1.6 ms drafting round at c=1; as four PyTorch ops, ~45 us for one row)."""
         if self.config.temperature == 0.0:
-            cols = torch.argmax(logits, dim=-1)  # [R]
-            probs = torch.softmax(logits.float(), dim=-1).gather(-1, cols[:, None])[:, 0]
+            cols, probs = row_argmax(logits.float().contiguous(), with_prob=True)  # [R], [R]
             return [(self._draft_id_list[col], prob, None)
                     for col, prob in zip(cols.tolist(), probs.tolist())]
         picks = []

@@ -372,6 +372,8 @@ def test_native_ops_pass_opcheck():
         (ops.rms_norm.default, (torch.randn(3, 64), torch.randn(64), 1e-5)),
         (ops.add_rms_norm.default, (torch.randn(3, 64), torch.randn(3, 64), torch.randn(64), 1e-5)),
         (ops.silu_mul.default, (torch.randn(3, 64),)),
+        (ops.row_argmax.default, (torch.randn(3, 64), True)),
+        (ops.row_argmax.default, (torch.randn(3, 64), False)),
         (ops.rope_write_kv.default, (qkv, None, None, None, 1e-6, cos, sin, pos[:4].long(),
                                      torch.zeros(k_cache_shape(8, 4, 2, 16)),
                                      torch.zeros(v_cache_shape(8, 4, 2, 16)), slots,

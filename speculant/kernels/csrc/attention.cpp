@@ -604,9 +604,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   check(block_tables.scalar_type() == at::kInt && token_seq.scalar_type() == at::kInt &&
             token_pos.scalar_type() == at::kInt,
         "block_tables, token_seq, token_pos must be int32");
-  check(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4 && block_tables.dim() == 2 &&
-            k_cache.size(0) == v_cache.size(0) && k_cache.size(1) == v_cache.size(2) &&
-            k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(1),
+  check(q.dim() == 3 && block_tables.dim() == 2 && paged_kv_shapes_match(k_cache, v_cache),
         "expected q [T, Hq, D], K cache [blocks, Hkv, D, block_size], V cache [blocks, "
         "block_size, Hkv, D]");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);

@@ -18,6 +18,7 @@ TORCH_LIBRARY(speculant, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) h, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("row_argmax(Tensor logits, bool with_prob=False) -> (Tensor, Tensor)");
   m.def(
       "rope_write_kv(Tensor qkv, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -49,6 +50,7 @@ TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("rms_norm", &speculant::rms_norm);
   m.impl("add_rms_norm", &speculant::add_rms_norm);
   m.impl("silu_mul", &speculant::silu_mul);
+  m.impl("row_argmax", &speculant::row_argmax);
   m.impl("rope_write_kv", &speculant::rope_write_kv);
   m.impl("decoder_stack_register", &speculant::decoder_stack_register);
   m.impl("decoder_stack", &speculant::decoder_stack);

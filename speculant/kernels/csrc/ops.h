@@ -17,11 +17,24 @@ inline constexpr std::string_view kQTypes[] = {"Q4_0", "Q4_1", "Q8_0", "F16", "F
 inline constexpr int64_t kNumQTypes = sizeof(kQTypes) / sizeof(kQTypes[0]);
 std::string_view qtype_name(int64_t code);  // checks the code (decoder.cpp)
 
+// Whether K [num_blocks, num_kv_heads, head_dim, block_size] and V [num_blocks, block_size,
+// num_kv_heads, head_dim] describe one paged cache (kernels/kv_layout.py): the writer
+// (rope_write_kv) and the reader (paged_attention) check the same shapes.
+inline bool paged_kv_shapes_match(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.size(0) == v_cache.size(0) &&
+         k_cache.size(1) == v_cache.size(2) && k_cache.size(2) == v_cache.size(3) &&
+         k_cache.size(3) == v_cache.size(1);
+}
+
 // x [M, in] f32 times a packed weight (layouts in linear.cpp) -> [M, out_features] f32.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& scales,
                          const std::optional<at::Tensor>& mins, std::string_view qtype,
                          int64_t out_features);
+
+// Each row's argmax (torch.argmax's: first maximum, first NaN) as int64 [R], and with
+// `with_prob` the softmax probability of that entry [R] (else an empty tensor) (argmax.cpp).
+std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& logits, bool with_prob);
 
 // Rows `ids` of a packed weight, exactly dequantized: [n, in_features] f32 (embed.cpp).
 at::Tensor packed_embed(const at::Tensor& ids, const at::Tensor& weight,

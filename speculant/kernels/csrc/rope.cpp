@@ -108,9 +108,7 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
                   qkv.is_contiguous(),
               "speculant::rope_write_kv: qkv must be a contiguous 2-D float32 CPU tensor");
   const bool half = k_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK(v_cache.dim() == 4 && k_cache.dim() == 4 && k_cache.size(0) == v_cache.size(0) &&
-                  k_cache.size(1) == v_cache.size(2) && k_cache.size(2) == v_cache.size(3) &&
-                  k_cache.size(3) == v_cache.size(1) && k_cache.is_contiguous() &&
+  TORCH_CHECK(paged_kv_shapes_match(k_cache, v_cache) && k_cache.is_contiguous() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
                   (half || k_cache.scalar_type() == at::kFloat) && k_cache.device().is_cpu() &&
                   v_cache.device().is_cpu(),

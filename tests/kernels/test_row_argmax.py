@@ -1,0 +1,64 @@
+"""Greedy picks over logits rows (kernels/argmax.py): torch.argmax's answer on both paths."""
+import pytest
+import torch
+
+from speculant.kernels import native_available, row_argmax
+
+
+@pytest.fixture(params=["native", "fallback"])
+def native(request) -> bool:
+    if request.param == "native" and not native_available():
+        pytest.skip("native kernels unavailable here")
+    return request.param == "native"
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 15, 16, 17, 100, 13312, 49152])
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_index_is_torch_argmax_and_prob_its_softmax(vocab, rows, native):
+    torch.manual_seed(vocab * 31 + rows)
+    logits = torch.randn(rows, vocab) * 4
+    index, prob = row_argmax(logits, with_prob=True, native=native)
+    assert index.dtype == torch.int64 and torch.equal(index, logits.argmax(dim=-1))
+    # against float64: float32 softmax itself is off by up to ~1e-5 over 49,152 terms
+    expected = torch.softmax(logits.double(), dim=-1).gather(-1, index[:, None])[:, 0]
+    torch.testing.assert_close(prob.double(), expected, rtol=1e-5, atol=0.0)
+    assert row_argmax(logits, native=native)[1] is None
+
+
+def test_ties_nan_and_infinities_follow_torch(native):
+    logits = torch.zeros(5, 100)
+    logits[0, [37, 80]] = 5.0  # a tie: the first index
+    logits[1, [50, 60]] = float("nan")  # NaN wins, the first one
+    logits[1, 90] = float("inf")
+    logits[2] = float("-inf")  # nothing above -inf: index 0
+    logits[3, [3, 30, 99]] = float("inf")  # the first +inf
+    logits[4, 99] = 1.0  # the maximum in the scalar tail after the 8-lane part
+    index, _ = row_argmax(logits, native=native)
+    assert index.tolist() == logits.argmax(dim=-1).tolist() == [37, 50, 0, 3, 99]
+
+
+def test_a_row_is_picked_alike_alone_or_in_a_batch():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    torch.manual_seed(3)
+    batch = torch.randn(9, 13312)
+    index, prob = row_argmax(batch, with_prob=True, native=True)
+    for r in range(batch.shape[0]):
+        i, p = row_argmax(batch[r:r + 1].clone(), with_prob=True, native=True)
+        assert i.item() == index[r].item()
+        assert p.view(torch.int32).item() == prob[r:r + 1].view(torch.int32).item()
+
+
+def test_other_dtypes_and_layouts_take_the_pytorch_path():
+    torch.manual_seed(4)
+    logits = torch.randn(6, 300)
+    strided = logits.t().contiguous().t()  # same values, not contiguous
+    assert torch.equal(row_argmax(strided)[0], logits.argmax(dim=-1))
+    half = logits.half()
+    assert torch.equal(row_argmax(half)[0], half.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 0), (2, 3, 4)])
+def test_bad_shapes_are_refused_by_name(shape):
+    with pytest.raises(ValueError, match=r"row_argmax: logits must be \[rows, vocab\]"):
+        row_argmax(torch.zeros(shape))
