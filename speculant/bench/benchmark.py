@@ -144,7 +144,9 @@ def _params(args, types: list[str], max_tokens: int | None = None):
         if setting is not None:
             spec.n_max, spec.p_min = setting.spec_n_max, setting.spec_p_min
     return SamplingParams(max_tokens=max_tokens or args.max_tokens, temperature=args.temperature,
-                          seed=0, ignore_eos=args.ignore_eos, spec=spec)
+                          top_k=getattr(args, "top_k", 0), top_p=getattr(args, "top_p", 1.0),
+                          min_p=getattr(args, "min_p", 0.0), seed=0, ignore_eos=args.ignore_eos,
+                          spec=spec)
 
 
 def _warm_up(engines: dict, args, methods, groups) -> None:
@@ -334,6 +336,8 @@ def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
     return {"date": date, "machine": machine_info(threads), "model": engine.model_path,
             "dtype": engine.config.dtype, "kv_dtype": engine.config.kv_dtype,
             "max_tokens": args.max_tokens, "concurrency": levels, "repeats": args.repeats,
+            "sampling": {"temperature": args.temperature, "top_k": args.top_k,
+                         "top_p": args.top_p, "min_p": args.min_p, "verify": args.verify},
             "interleave_s": args.interleave_seconds if args.interleave else None,
             "peer_repeats": args.peer_repeats if args.compare else 0,
             "methods": [name for name, _ in methods]}

@@ -22,6 +22,9 @@ def add_bench_args(p) -> None:
                    help="tokens of the untimed warm-up run of each method (0: none)")
     g.add_argument("--verify", default="auto", choices=list(VERIFY_MODES))
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0, help="sampling: top-k (0: off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sampling: top-p (1: off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="sampling: min-p (0: off)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="always generate --max-tokens (fixed-length decode measurement)")
     g.add_argument("--compare", default=None, metavar="PEERS",
@@ -122,6 +125,10 @@ def check_args(args) -> None:
                       ("rerun_on_interference", 0), ("hf_prompt_lookup", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
+    from speculant.engine.sampling_params import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   min_p=args.min_p)  # ValueError naming a sampling flag out of range
     if args.replay and (args.compare or args.record or args.tune_compare):
         raise ValueError("--replay runs no model: --compare, --record and --tune-compare do not "
                          "apply")

@@ -98,17 +98,20 @@ def verify_match(sampler: Sampler,
     _check_positions(logits.shape[0], len(draft))
     if sampler.params.is_greedy:
         return verify_greedy(sampler.greedy_ids(logits, history, draft), draft)
+    if not draft:  # plain decoding: one uniform, nothing to rewind
+        return VerifyResult(0, sampler.sample_ids(logits, history, sampler.draw_uniforms(1)))
     # 1) sample every position with the uniforms plain decoding would use, without committing
     state = sampler.get_state()
-    uniforms = sampler.draw_uniforms(len(draft) + 1).to(logits.device)
-    samples = sampler.token_probs(logits, history, draft).sample(uniforms)  # [k+1]
-    draft_tensor = torch.tensor([draft], dtype=torch.long, device=logits.device)
-    num_accepted, next_id = accept_match(samples[None], draft_tensor)
-    num_accepted, next_id = torch.cat([num_accepted, next_id]).tolist()
-    # 2) commit one uniform per emitted token; uniforms of the rejected tail are drawn again
-    sampler.set_state(state)
-    sampler.draw_uniforms(num_accepted + 1)
-    return VerifyResult(num_accepted, draft[:num_accepted] + [next_id])
+    samples = sampler.sample_ids(logits, history, sampler.draw_uniforms(len(draft) + 1), draft)
+    num_accepted = 0
+    while num_accepted < len(draft) and samples[num_accepted] == draft[num_accepted]:
+        num_accepted += 1
+    # 2) one uniform per emitted token: when the draft was rejected, the uniforms of the tail
+    # after the recovered token are drawn again by the next step
+    if num_accepted < len(draft):
+        sampler.set_state(state)
+        sampler.draw_uniforms(num_accepted + 1)
+    return VerifyResult(num_accepted, draft[:num_accepted] + [samples[num_accepted]])
 
 
 def accept_rejection(

@@ -374,6 +374,8 @@ def test_native_ops_pass_opcheck():
         (ops.silu_mul.default, (torch.randn(3, 64),)),
         (ops.row_argmax.default, (torch.randn(3, 64), True)),
         (ops.row_argmax.default, (torch.randn(3, 64), False)),
+        (ops.sample_rows.default, (torch.randn(3, 64), torch.rand(3, dtype=torch.float64), 0.8,
+                                   5, 0.9, 0.0)),
         (ops.rope_write_kv.default, (qkv, None, None, None, 1e-6, cos, sin, pos[:4].long(),
                                      torch.zeros(k_cache_shape(8, 4, 2, 16)),
                                      torch.zeros(v_cache_shape(8, 4, 2, 16)), slots,

@@ -20,6 +20,9 @@ TORCH_LIBRARY(speculant, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("row_argmax(Tensor logits, bool with_prob=False) -> (Tensor, Tensor)");
   m.def(
+      "sample_rows(Tensor logits, Tensor uniforms, float temperature, int top_k, float top_p, "
+      "float min_p) -> Tensor");
+  m.def(
       "rope_write_kv(Tensor qkv, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int num_heads) -> Tensor");
@@ -51,6 +54,7 @@ TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("add_rms_norm", &speculant::add_rms_norm);
   m.impl("silu_mul", &speculant::silu_mul);
   m.impl("row_argmax", &speculant::row_argmax);
+  m.impl("sample_rows", &speculant::sample_rows);
   m.impl("rope_write_kv", &speculant::rope_write_kv);
   m.impl("decoder_stack_register", &speculant::decoder_stack_register);
   m.impl("decoder_stack", &speculant::decoder_stack);

@@ -36,6 +36,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
 // `with_prob` the softmax probability of that entry [R] (else an empty tensor) (argmax.cpp).
 std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& logits, bool with_prob);
 
+// One token per row of logits [R, V] with the filters of engine/sampler.py, from one float64
+// uniform per row: int64 [R] (sample.cpp).
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniforms, double temperature,
+                       int64_t top_k, double top_p, double min_p);
+
 // Rows `ids` of a packed weight, exactly dequantized: [n, in_features] f32 (embed.cpp).
 at::Tensor packed_embed(const at::Tensor& ids, const at::Tensor& weight,
                         const std::optional<at::Tensor>& scales,
