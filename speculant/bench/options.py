@@ -127,8 +127,12 @@ def check_args(args) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
     from speculant.engine.sampling_params import SamplingParams
 
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                   min_p=args.min_p)  # ValueError naming a sampling flag out of range
+    try:
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       min_p=args.min_p)
+    except ValueError as e:  # e names the field: top_p must be in (0, 1], got 0.0
+        raise ValueError(f"bad sampling flag (--temperature, --top-k, --top-p, --min-p): "
+                         f"{e}") from None
     if args.replay and (args.compare or args.record or args.tune_compare):
         raise ValueError("--replay runs no model: --compare, --record and --tune-compare do not "
                          "apply")

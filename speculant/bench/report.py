@@ -14,6 +14,8 @@ Top level
   kv_dtype       KV cache element type (float16 or float32, --kv-dtype resolved)
   max_tokens     tokens generated per prompt (EOS stops earlier unless --ignore-eos)
   concurrency    [int], the levels measured
+  sampling       {"temperature", "top_k", "top_p", "min_p", "verify"}: every request's settings
+                 (seed 0 for all; temperature 0 = greedy)
   repeats        measurements per (category, method, concurrency)
   interleave_s   the methods ran side by side in turns of this many seconds (--interleave),
                  or null: one after the other, in reverse order on odd repeats

@@ -23,7 +23,7 @@ from speculant.bench.timing import CpuSample, cpu_usage, read_proc_stat, run_wit
 from speculant.cli.main import main
 
 TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "dtype", "kv_dtype", "max_tokens",
-            "concurrency",
+            "concurrency", "sampling",
             "repeats", "interleave_s", "peer_repeats", "methods", "results", "categories", "by_method", "peers", "summary", "interference",
             "files"}
 RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_tokens",
@@ -36,6 +36,7 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "interleave_s": 0.1, "peer_repeats": 1,
+        "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "verify": "auto"},
         "methods": ["plain", "suffix"],
         "machine": {"cpu": "test cpu", "num_cpus": 2, "threads": 2, "platform": "x",
                     "python": "3", "torch": "2"}}
@@ -280,6 +281,19 @@ def test_replay_row_cost_bad_values(argv, message, capsys):
     assert "--replay-row-cost" in err and message in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--top-k", "-3"], "top_k must be >= 0"),
+    (["--min-p", "2"], "min_p must be in [0, 1]"),
+    (["--temperature", "-1"], "temperature must be in [0, 100]"),
+])
+def test_bad_sampling_flags_are_refused_by_name(argv, message, capsys):
+    """A sampling flag out of range exits 2 naming it, before any model is loaded."""
+    assert main(["bench", *argv, "--spec-type", "suffix"]) == 2
+    err = capsys.readouterr().err
+    assert "bad sampling flag" in err and message in err
+
+
 # ---- peers -------------------------------------------------------------------------------------
 
 class FakeServer(BaseHTTPRequestHandler):
@@ -370,6 +384,8 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert code == 0
     report = last_json(capsys)
     assert set(report) == TOP_KEYS and report["methods"] == ["plain", "suffix"]
+    assert report["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                  "verify": "auto"}
     assert (report["dtype"], report["kv_dtype"]) == ("auto", "float16")
     assert report["interleave_s"] is None  # --no-interleave: one engine, methods in turn
     assert all(set(r) == RESULT_KEYS for r in report["results"])
