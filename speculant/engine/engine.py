@@ -34,7 +34,8 @@ from speculant.engine.scheduler import Scheduler
 from speculant.engine.sequence import Sequence
 from speculant.engine.state_rounds import StateRounds
 from speculant.speculators.base import (CommittedTokens, Draft, DraftParams, DraftRequest, Speculator,
-                                        SpeculatorContext, SpeculatorStats, StepFeatures, TargetView)
+                                        SpeculatorContext, SpeculatorStats, StepFeatures,
+                                        TargetDraws, TargetView)
 from speculant.speculators.chain import SpeculatorChain
 from speculant.speculators.factory import create_speculators
 from speculant.engine.step_cost import StepCostModel
@@ -407,7 +408,7 @@ class Engine:
                 continue
             params = self._draft_params(seq)
             if params.n_max > 0:
-                requests.append(DraftRequest(seq.seq_id, seq.token_ids, params))
+                requests.append(DraftRequest(seq.seq_id, seq.token_ids, params, _draws(seq)))
         if watched:
             self._shadow(watched)
         if not requests:
@@ -653,3 +654,13 @@ def _trim_captured(seq: Sequence) -> None:
 
 def _fast_greedy(params: SamplingParams) -> bool:
     return params.is_greedy and params.repetition_penalty == 1.0
+
+
+def _draws(seq: Sequence) -> TargetDraws | None:
+    """How the target will sample this sequence's next positions, for coupled drafts: only
+    under sample-and-match (`_verify`: rejection sampling needs drafts drawn independently of
+    the target's uniforms, and greedy has none)."""
+    p = seq.params
+    if p.is_greedy or p.spec.verify == "rejection":
+        return None
+    return TargetDraws(p, seq.sampler)

@@ -272,6 +272,13 @@ class Sampler:
         """The next n uniforms [n] (fp64, CPU) of this request's stream."""
         return torch.rand(n, dtype=torch.float64, generator=self.generator)
 
+    def peek_uniforms(self, n: int) -> torch.Tensor:
+        """The next n uniforms [n] without consuming them (coupled drafts read them)."""
+        state = self.get_state()
+        uniforms = self.draw_uniforms(n)
+        self.set_state(state)
+        return uniforms
+
     def sample_ids(self, logits: torch.Tensor, history: Sequence[int], uniforms: torch.Tensor,
                    draft: Sequence[int] = ()) -> list[int]:
         """Tokens at n consecutive positions, row i conditioned on history + draft[:i] and drawn

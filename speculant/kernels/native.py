@@ -214,8 +214,9 @@ def _register_fakes() -> None:
         return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows if with_prob else 0)
 
     @torch.library.register_fake("speculant::sample_rows")
-    def _(logits, uniforms, temperature, top_k, top_p, min_p):
-        return logits.new_empty(logits.shape[0], dtype=torch.int64)
+    def _(logits, uniforms, temperature, top_k, top_p, min_p, with_prob=False):
+        rows = logits.shape[0]
+        return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows if with_prob else 0)
 
     @torch.library.register_fake("speculant::rope_write_kv")
     def _(qkv, bias, q_norm, k_norm, eps, cos, sin, positions, k_cache, v_cache, slot_mapping,

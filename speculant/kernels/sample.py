@@ -30,10 +30,19 @@ def sample_rows(logits: torch.Tensor,  # [R, V] float32, contiguous, CPU
                 min_p: float = 0.0) -> torch.Tensor:  # [R] int64 token ids
     """One token per row (temperature > 0; greedy is `row_argmax`). A row holding a NaN gives
     its first NaN's index, as greedy does; +inf its first +inf; only -inf gives 0."""
+    return sample_rows_with_prob(logits, uniforms, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, min_p=min_p, with_prob=False)[0]
+
+
+def sample_rows_with_prob(logits: torch.Tensor, uniforms: torch.Tensor, *, temperature: float,
+                          top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                          with_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows`, and each drawn token's probability under the filtered distribution
+    (float32 [R]; empty without `with_prob`)."""
     if not native_sampling_fits(logits):
         raise ValueError(f"sample_rows: needs contiguous float32 CPU logits [rows, vocab] and the "
                          f"native kernels, got {tuple(logits.shape)} {logits.dtype} on "
                          f"{logits.device}")
     return torch.ops.speculant.sample_rows.default(
         logits, uniforms.to(torch.float64), float(temperature), int(top_k), float(top_p),
-        float(min_p))
+        float(min_p), bool(with_prob))

@@ -419,7 +419,7 @@ class SpeculatorChain:
                 out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
                     n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min,
                     p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window,
-                    further_cost=max(r.params.further_cost, further_cost))))
+                    further_cost=max(r.params.further_cost, further_cost)), r.draws))
         return out
 
     def _revival_cost(self, name: str, seq_id: int, seconds_per_token: float) -> float:

@@ -26,8 +26,9 @@ from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError
 from speculant.kernels.argmax import row_argmax
 from speculant.speculators.base import (Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext,
-                                        check_model_drafter_config)
+                                        TargetDraws, check_model_drafter_config)
 from speculant.speculators.continuation import ContinuationRecord
+from speculant.speculators.coupled import coupled_pick
 from speculant.speculators.draft_vocab import head_token_ids, read_ranking
 from speculant.speculators.ngram_match import common_prefix_len
 
@@ -106,6 +107,8 @@ class DraftModelSpeculator(Speculator):
             ranking = read_ranking(config.model)
             self.head_ids = head_token_ids(ranking, num_head, self.vocab_size, self.eos_token_ids)
             model.lm_head = model.lm_head.select_rows(self.head_ids)
+        # coupled drafts walk the columns in the target's id order (`coupled.py`)
+        self._couples = self.head_ids is None or bool((self.head_ids.diff() > 0).all())
         self._cached: dict[int, list[int]] = {}  # tokens whose K/V are in the draft cache
         self._offset: dict[int, int] = {}  # history index of the draft context's first token
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -174,7 +177,7 @@ class DraftModelSpeculator(Speculator):
                 if logits is None:
                     continue  # a long catch-up continues next round
                 req, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
-                tok, prob, q = self._pick(logits)
+                tok, prob, q = self._pick(logits, req.draws, len(grow.ids))
                 if not grow.offer(tok, prob, q, req.params, self.continuation):
                     continue
                 pos = chunk.start_pos + len(chunk.token_ids)
@@ -229,12 +232,17 @@ class DraftModelSpeculator(Speculator):
             i += chunk.num_logits
         return rows
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, float, torch.Tensor | None]:
+    def _pick(self, logits: torch.Tensor, draws: TargetDraws | None = None, position: int = 0
+              ) -> tuple[int, float, torch.Tensor | None]:
         """logits [vocab_dft], or [n] over head_ids -> (token, its draft probability, q over
         the target's vocabulary [vocab] when sampling). Tokens beyond the target's vocabulary
-        are never proposed."""
+        are never proposed. Where the target samples (`draws`), the token at draft `position`
+        is drawn with its filters and uniform there (`coupled.py`)."""
         if self.head_ids is None:
             logits = logits[:self.vocab_size]
+        if draws is not None and self._couples:
+            col, prob = coupled_pick(logits, draws, position)
+            return self._token(col), prob, None
         if self.config.temperature == 0.0:
             cols, probs = row_argmax(logits[None].float(), with_prob=True)  # [1], [1]
             return self._token(int(cols[0])), float(probs[0]), None

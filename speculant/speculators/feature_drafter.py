@@ -59,9 +59,10 @@ from speculant.kernels.kv_layout import write_kv
 from speculant.models.packed_head import pack_linears, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, StepFeatures,
-                                        TargetView, check_model_drafter_config)
+                                        TargetDraws, TargetView, check_model_drafter_config)
 from speculant.speculators.calibration import CalibrationPrior
 from speculant.speculators.continuation import ContinuationRecord
+from speculant.speculators.coupled import coupled_pick
 
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -270,6 +271,8 @@ class FeatureDrafter(Speculator):
         # [draft_vocab] int64: the target token of each column of the head's logits
         self.draft_ids = torch.arange(hc.draft_vocab_size, device=head.d2t.device) + head.d2t
         self._draft_id_list = self.draft_ids.tolist()  # the same, read per picked token
+        # coupled drafts walk the columns in the target's id order (`coupled.py`)
+        self._couples = all(a < b for a, b in zip(self._draft_id_list, self._draft_id_list[1:]))
         self.num_draft_forwards = 0
         self.continuation = ContinuationRecord()  # whether a further draft forward pays
         # the head's layer on the target's fused kernels, when the head offers one for its
@@ -597,7 +600,8 @@ class FeatureDrafter(Speculator):
         still drafting get a draft entry (that token, fed the entry's hidden) after it."""
         logits, h_rows = out
         next_chunks, next_inputs = [], []
-        for row, (chunk, (tok, prob, q)) in enumerate(zip(chunks, self._pick(logits))):
+        draws = [(by_id[c.seq_id].draws, len(grown[c.seq_id].ids)) for c in chunks]
+        for row, (chunk, (tok, prob, q)) in enumerate(zip(chunks, self._pick(logits, draws))):
             r, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
             if not grow.offer(tok, prob, q, r.params, self.continuation):
                 continue
@@ -609,11 +613,22 @@ class FeatureDrafter(Speculator):
                 next_inputs.append(h_rows[row:row + 1])
         return next_chunks, next_inputs
 
-    def _pick(self, logits: torch.Tensor) -> list[tuple[int, float, torch.Tensor | None]]:
+    def _pick(self, logits: torch.Tensor, draws: list[tuple[TargetDraws | None, int]]
+              ) -> list[tuple[int, float, torch.Tensor | None]]:
         """logits [R, draft_vocab] -> per row (target token id, its draft probability, q over
-        the target's vocabulary [vocab] when sampling). Greedy: every row's argmax and its
-        softmax probability in one native pass (per row, with a host read per scalar, ~70 us of
-        a ~1.6 ms drafting round at c=1; as four PyTorch ops, ~45 us for one row)."""
+        the target's vocabulary [vocab] when sampling). A row whose target samples (`draws`:
+        how, and the draft position) draws with the target's filters and uniform there
+        (`coupled.py`). Greedy: every row's argmax and its softmax probability in one native
+        pass (per row, with a host read per scalar, ~70 us of a ~1.6 ms drafting round at c=1;
+        as four PyTorch ops, ~45 us for one row)."""
+        if self._couples and any(d is not None for d, _ in draws):
+            picks = self._pick(logits, [(None, 0)] * len(draws)) \
+                if any(d is None for d, _ in draws) else [None] * len(draws)
+            for row, (d, position) in enumerate(draws):
+                if d is not None:
+                    col, prob = coupled_pick(logits[row], d, position)
+                    picks[row] = (self._draft_id_list[col], prob, None)
+            return picks
         if self.config.temperature == 0.0:
             cols, probs = row_argmax(logits.float().contiguous(), with_prob=True)  # [R], [R]
             return [(self._draft_id_list[col], prob, None)

@@ -10,7 +10,7 @@ import torch
 from speculant.engine.sampler import Sampler, filter_probs
 from speculant.engine.sampling_params import SamplingParams
 from speculant.kernels import native_available
-from speculant.kernels.sample import native_sampling_fits, sample_rows
+from speculant.kernels.sample import native_sampling_fits, sample_rows, sample_rows_with_prob
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native kernels unavailable here")
 
@@ -66,8 +66,12 @@ def test_every_kept_token_owns_its_interval(vocab, filters):
         # every token the filters keep with a visible share, at the middle of its interval
         kept = (probs > 1e-5).nonzero()[:, 0]
         mids = (cdf[kept] - probs[kept] / 2).clamp(0, 1 - 1e-12)
-        got = _native(row[None].expand(len(kept), -1).contiguous(), mids, params)
-        assert got == kept.tolist()
+        got, prob = sample_rows_with_prob(
+            row[None].expand(len(kept), -1).contiguous(), mids, temperature=params.temperature,
+            top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
+        assert got.tolist() == kept.tolist()
+        # and each its probability under the filtered distribution
+        torch.testing.assert_close(prob.double(), probs[kept], rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("filters", FILTERS, ids=_name)

@@ -45,6 +45,25 @@ def test_target_as_its_own_draft_accepts_nearly_everything_and_is_exact(self_dra
     assert drafted > 0 and accepted / drafted > 0.97
 
 
+@pytest.mark.parametrize("filters", [dict(temperature=0.8, top_p=0.95), dict(temperature=1.0),
+                                     dict(temperature=0.7, top_k=40)])
+def test_coupled_drafts_of_the_target_itself_are_accepted_when_sampling(self_draft_engine,
+                                                                        filters):
+    """Sampling (sample-and-match), each draft token is drawn with the target's filters and the
+    uniform the target will use at its position (coupled.py): a draft that is the target lands
+    on the target's own draws, so nearly every token is accepted (a greedy draft would be
+    accepted with the target's probability of its argmax), and the output is plain decoding's."""
+    tok = self_draft_engine.tokenizer
+    chats = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:2]]
+    plain = decode_all(self_draft_engine, chats, SamplingParams(
+        max_tokens=32, seed=5, spec=SpecParams(enabled=False), **filters))
+    spec = decode_all(self_draft_engine, chats, SamplingParams(max_tokens=32, seed=5, **filters))
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+    drafted = sum(s.spec.num_draft_tokens for s in spec)
+    accepted = sum(s.spec.num_accepted_tokens for s in spec)
+    assert drafted > 0 and accepted / drafted > 0.97
+
+
 def test_parallel_drafting_one_forward_per_draft_position(self_draft_engine):
     """Draft forwards per round equal draft positions, not sequences x positions."""
     from speculant.speculators.base import DraftParams, DraftRequest

@@ -85,6 +85,29 @@ def test_seeded_sampling_equals_plain(eagle_engine):
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
 
 
+def test_a_sampling_targets_draft_tokens_are_drawn_with_its_uniforms(eagle_engine, kind):
+    """Where the target samples, the head draws its token at draft position i with the target's
+    filters and the uniform the target will use there (coupled.py): the same draw as the
+    target's sampler on these logits, mapped through the draft vocabulary; a greedy row keeps
+    its argmax, and peeking leaves the request's stream where it was."""
+    from speculant.engine.sampler import Sampler
+    from speculant.speculators.base import TargetDraws
+
+    spec = eagle_engine.speculator(kind)
+    ids = spec._draft_id_list
+    logits = torch.randn(3, len(ids), generator=torch.Generator().manual_seed(0)) * 3
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    sampler = Sampler(params, len(ids))  # a sampler over the draft's columns, for the expected
+    uniforms = sampler.peek_uniforms(3)
+    picks = spec._pick(logits, [(TargetDraws(params, sampler), 0), (None, 0),
+                                (TargetDraws(params, sampler), 2)])
+    assert picks[0][0] == ids[sampler.sample_ids(logits[0:1], [], uniforms[0:1])[0]]
+    assert picks[2][0] == ids[sampler.sample_ids(logits[2:3], [], uniforms[2:3])[0]]
+    assert picks[1][0] == ids[int(logits[1].argmax())]
+    assert all(0.0 < p <= 1.0 and q is None for _, p, q in picks)
+    assert sampler.draw_uniforms(3).equal(uniforms)
+
+
 def reference_first_draft(head, features: dict, token_ids: list[int]) -> int:
     """The head's first draft token by its own maths: fc over the target's features of
     positions 0..N-1, tokens 1..N, one causal attention over the whole sequence."""

@@ -21,7 +21,7 @@ TORCH_LIBRARY(speculant, m) {
   m.def("row_argmax(Tensor logits, bool with_prob=False) -> (Tensor, Tensor)");
   m.def(
       "sample_rows(Tensor logits, Tensor uniforms, float temperature, int top_k, float top_p, "
-      "float min_p) -> Tensor");
+      "float min_p, bool with_prob=False) -> (Tensor, Tensor)");
   m.def(
       "rope_write_kv(Tensor qkv, Tensor? bias, Tensor? q_norm, Tensor? k_norm, float eps, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, Tensor(b!) v_cache, "

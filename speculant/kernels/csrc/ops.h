@@ -37,9 +37,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
 std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& logits, bool with_prob);
 
 // One token per row of logits [R, V] with the filters of engine/sampler.py, from one float64
-// uniform per row: int64 [R] (sample.cpp).
-at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniforms, double temperature,
-                       int64_t top_k, double top_p, double min_p);
+// uniform per row: int64 [R], and with `with_prob` its probability under the filtered
+// distribution [R] (else an empty tensor) (sample.cpp).
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits,
+                                               const at::Tensor& uniforms, double temperature,
+                                               int64_t top_k, double top_p, double min_p,
+                                               bool with_prob);
 
 // Rows `ids` of a packed weight, exactly dequantized: [n, in_features] f32 (embed.cpp).
 at::Tensor packed_embed(const at::Tensor& ids, const at::Tensor& weight,

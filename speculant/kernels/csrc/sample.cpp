@@ -17,7 +17,8 @@
 //      reaches top_p Z, and that bin alone is sorted; the cut is the first value where it does
 //      and every entry >= the cut is kept (ties included);
 //   4. min-p: entries with t >= max + log(min_p) are kept;
-//   5. u * (kept mass) walked in token-id order.
+//   5. u * (kept mass) walked in token-id order; with `with_prob`, the drawn token's share of
+//      the kept mass too.
 // Masses are summed in float64 over float32 exps (simd.h's exp8); rounding differs from
 // PyTorch's, so a uniform within ~1e-6 of a CDF boundary may give the neighbouring token, the
 // law is the same. A row is read by one thread in one fixed order: batch-invariant.
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -302,23 +304,29 @@ void keep_at_least(Kept* kept, float thr) {
   kept->e.resize(w);
 }
 
+// A drawn token and its probability under the filtered distribution.
+struct Drawn {
+  int64_t id;
+  float prob;
+};
+
 // u * (kept mass), walked in id order over the list.
-int64_t walk_kept(const Kept& kept, double u) {
-  const double target = u * kept_mass(kept);
+Drawn walk_kept(const Kept& kept, double u) {
+  const double z = kept_mass(kept), target = u * z;
   double acc = 0.0;
-  int64_t last = kept.id.empty() ? 0 : kept.id.back();
+  Drawn last{kept.id.empty() ? 0 : kept.id.back(), 0.0f};
   for (size_t j = 0; j < kept.id.size(); ++j) {
     if (kept.e[j] <= 0.0f) continue;
     acc += kept.e[j];
-    last = kept.id[j];
-    if (acc > target) return kept.id[j];
+    last = {kept.id[j], static_cast<float>(kept.e[j] / z)};
+    if (acc > target) return last;
   }
   return last;  // rounding: the last entry with mass
 }
 
 // u * (mass of the entries >= thr), walked in id order over the whole row.
-int64_t walk_dense(const float* x, int64_t n, const Filters& f, float max_t, float thr, double u,
-                   std::vector<double>* sums) {
+Drawn walk_dense(const float* x, int64_t n, const Filters& f, float max_t, float thr, double u,
+                 std::vector<double>* sums) {
   dense_block_sums(x, n, f, max_t, thr, sums);
   double z = 0.0;
   for (double s : *sums) z += s;
@@ -342,13 +350,13 @@ int64_t walk_dense(const float* x, int64_t n, const Filters& f, float max_t, flo
     t[i - start] = f.temperature == 1.0f ? x[i] : x[i] / f.temperature;
   }
   exp_shifted(t, end - start, max_t, e);
-  int64_t last = start;
+  Drawn last{start, 0.0f};
   for (int64_t i = start; i < end; ++i) {
     const float ei = t[i - start] >= thr ? e[i - start] : 0.0f;
     if (ei <= 0.0f) continue;
     acc += ei;
-    last = i;
-    if (acc > target) return i;
+    last = {i, static_cast<float>(ei / z)};
+    if (acc > target) return last;
   }
   return last;
 }
@@ -360,10 +368,10 @@ struct Scratch {
   Kept kept;
 };
 
-int64_t sample_row(const float* x, int64_t n, const Filters& f, double u, Scratch* s) {
+Drawn sample_row(const float* x, int64_t n, const Filters& f, double u, Scratch* s) {
   int64_t special;
   const float max_raw = row_max(x, n, &special);
-  if (special >= 0) return special;
+  if (special >= 0) return {special, 1.0f};
   const float max_t = f.temperature == 1.0f ? max_raw : max_raw / f.temperature;
   const float min_p_thr =
       f.min_p > 0.0 ? max_t + static_cast<float>(std::log(f.min_p)) : -kInf;
@@ -406,8 +414,10 @@ int64_t sample_row(const float* x, int64_t n, const Filters& f, double u, Scratc
 
 }  // namespace
 
-at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniforms, double temperature,
-                       int64_t top_k, double top_p, double min_p) {
+std::tuple<at::Tensor, at::Tensor> sample_rows(const at::Tensor& logits,
+                                               const at::Tensor& uniforms, double temperature,
+                                               int64_t top_k, double top_p, double min_p,
+                                               bool with_prob) {
   TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
                   logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0 &&
                   logits.size(1) < std::numeric_limits<int32_t>::max(),
@@ -427,15 +437,21 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& uniforms, dou
   const int64_t R = logits.size(0), V = logits.size(1);
   const at::Tensor u = uniforms.contiguous();
   at::Tensor ids = at::empty({R}, logits.options().dtype(at::kLong));
+  at::Tensor probs = at::empty({with_prob ? R : 0}, logits.options());
   const float* xp = logits.const_data_ptr<float>();
   const double* up = u.const_data_ptr<double>();
   int64_t* ip = ids.data_ptr<int64_t>();
+  float* pp = with_prob ? probs.data_ptr<float>() : nullptr;
   const Filters f{static_cast<float>(temperature), top_k, top_p, min_p};
   parallel_for(R, 1, [&](int64_t r0, int64_t r1) {
     Scratch scratch;
-    for (int64_t r = r0; r < r1; ++r) ip[r] = sample_row(xp + r * V, V, f, up[r], &scratch);
+    for (int64_t r = r0; r < r1; ++r) {
+      const Drawn d = sample_row(xp + r * V, V, f, up[r], &scratch);
+      ip[r] = d.id;
+      if (pp != nullptr) pp[r] = d.prob;
+    }
   });
-  return ids;
+  return {ids, probs};
 }
 
 }  // namespace speculant
