@@ -47,6 +47,10 @@ class DraftParams:
     # chain's measure per row of its further forwards): a further forward runs where such
     # forwards have yielded at least that (`continuation.py`)
     further_cost: float = 0.0
+    # the chance a token the drafter gave probability p is accepted at draft position i (its
+    # earlier tokens right): the chain's calibration of this drafter for this sequence
+    # (calibration.Survival: rate(p, i), least_prob(chance, i)); None: p itself
+    survival: object | None = None
 
     def __post_init__(self) -> None:
         if self.n_max < 0:
@@ -153,29 +157,38 @@ class DraftBuilder:
         self.ids: list[int] = []
         self.probs: list[float] = []
         self.qs: list[torch.Tensor] = []  # each [vocab]
-        self.run_prob = 1.0  # product of probs
+        self.run_prob = 1.0  # the chance the run survives: product of its tokens' chances
+
+    def chance(self, prob: float, params: DraftParams) -> float:
+        """The chance a next token of probability `prob` is accepted, the run's earlier tokens
+        right (`params.survival`, else prob itself)."""
+        return prob if params.survival is None else params.survival.rate(prob, len(self.ids))
 
     def takes(self, prob: float, params: DraftParams) -> bool:
         """Whether a next token of probability `prob` joins the draft under `params`' p_min
-        and p_min_run (the first token only needs p_min)."""
+        and p_min_run: the chance the run survives through it must still pay for verifying
+        it (the first token only needs p_min)."""
         return prob >= params.p_min and (
-            not self.ids or self.run_prob * prob >= params.p_min_run)
+            not self.ids or self.run_prob * self.chance(prob, params) >= params.p_min_run)
 
     def need(self, params: DraftParams) -> float:
         """The probability a next token must reach to join the draft (`takes`); > 1 when
-        none can (the run's product already fell below p_min_run)."""
+        none can (the run's chance already fell below p_min_run)."""
         if not self.ids or params.p_min_run <= 0.0:
             return params.p_min
         if self.run_prob <= 0.0:
             return float("inf")
-        return max(params.p_min, params.p_min_run / self.run_prob)
+        chance = params.p_min_run / self.run_prob
+        least = chance if params.survival is None else \
+            params.survival.least_prob(chance, len(self.ids))
+        return max(params.p_min, least)
 
     def gain(self, prob: float, params: DraftParams, joins: bool | None = None) -> float:
         """What a next token of probability `prob` adds to the draft: the chance the run
         survives through it, past the verification break-even p_min_run; 0 when it does not
         join (`takes`, unless `joins` says)."""
         joins = self.takes(prob, params) if joins is None else joins
-        return self.run_prob * prob - params.p_min_run if joins else 0.0
+        return self.run_prob * self.chance(prob, params) - params.p_min_run if joins else 0.0
 
     def offer(self, tok: int, prob: float, q: torch.Tensor | None, params: DraftParams,
               continuation) -> bool:
@@ -186,13 +199,16 @@ class DraftBuilder:
         if self.ids:
             continuation.record(self.need(params), self.gain(prob, params, joins))
         if joins:
-            self.add(tok, prob, q)
+            self.add(tok, prob, q, self.chance(prob, params))
         return joins
 
-    def add(self, tok: int, prob: float, q: torch.Tensor | None) -> None:
+    def add(self, tok: int, prob: float, q: torch.Tensor | None,
+            chance: float | None = None) -> None:
+        """Append a token (`chance`: of it being accepted, its earlier tokens right; default
+        its probability)."""
         self.ids.append(tok)
         self.probs.append(prob)
-        self.run_prob *= prob
+        self.run_prob *= prob if chance is None else chance
         if q is not None:
             self.qs.append(q)
 

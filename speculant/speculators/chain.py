@@ -43,6 +43,7 @@ from speculant.speculators.acceptance import (
 from speculant.speculators.calibration import (
     ProbCalibration,
     SeqCalibration,
+    Survival,
     calibrated_rates,
     record_judged,
     value_of_first,
@@ -419,7 +420,9 @@ class SpeculatorChain:
                 out.append(DraftRequest(r.seq_id, r.token_ids, DraftParams(
                     n_max=min(n, r.params.n_max), n_min=min(r.params.n_min, n), p_min=r.params.p_min,
                     p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window,
-                    further_cost=max(r.params.further_cost, further_cost)), r.draws))
+                    further_cost=max(r.params.further_cost, further_cost),
+                    survival=None if cal is None else Survival(cal, state.calib[name].scale)),
+                    r.draws))
         return out
 
     def _revival_cost(self, name: str, seq_id: int, seconds_per_token: float) -> float:

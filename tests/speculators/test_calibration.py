@@ -4,7 +4,8 @@ import pytest
 
 from speculant.speculators.base import Draft, DraftBuilder, DraftParams, DraftRequest, Speculator
 from speculant.speculators.calibration import (BIN_WEIGHT, MIN_FIRST, ProbCalibration,
-                                               SeqCalibration, calibrated_rates, record_judged)
+                                               SeqCalibration, Survival, calibrated_rates,
+                                               record_judged)
 from speculant.speculators.chain import SpeculatorChain
 
 
@@ -103,6 +104,51 @@ def test_draft_builder_stops_where_the_run_no_longer_pays():
     assert not grow.takes(0.6, params)  # 0.27 < 0.3
     with pytest.raises(ValueError, match="p_min_run"):
         DraftParams(p_min_run=1.5)
+
+
+def under_confident_calibration() -> ProbCalibration:
+    """A drafter whose tokens at probability ~0.3 are right 60% of the time, at ~0.5 80%
+    (the shipped EAGLE-3 head is under-confident like this), first tokens and later alike."""
+    cal = ProbCalibration()
+    for p, rate in ((0.35, 0.6), (0.55, 0.8)):
+        for i in range(100):
+            cal.record(p, i % 10 < rate * 10, pos=0)
+            cal.record(p, i % 10 < rate * 10, pos=1)
+    return cal
+
+
+def test_survival_least_prob_inverts_the_calibrated_rate():
+    survival = Survival(under_confident_calibration(), scale=1.0)
+    for pos in (0, 1, 3):
+        for chance in (0.05, 0.3, 0.5, 0.62, 0.75, 0.79):
+            p = survival.least_prob(chance, pos)
+            assert p <= 1.0 and survival.rate(p, pos) >= chance - 1e-9
+            # nothing below it reaches the chance
+            assert all(survival.rate(q / 1000, pos) < chance for q in range(int(p * 1000) - 1))
+    assert survival.least_prob(0.0, 1) == 0.0
+    assert survival.least_prob(0.99, 1) == pytest.approx(0.99)  # an unseen bin: p itself
+    assert Survival(under_confident_calibration(), scale=0.5).least_prob(0.6, 1) > 1.0  # none
+    assert Survival(under_confident_calibration(), scale=0.5).least_prob(0.35, 1) > \
+        survival.least_prob(0.35, 1)  # a sequence where it does worse needs more
+
+
+def test_draft_builder_runs_on_calibrated_chances():
+    """With the drafter's calibration, a run of an under-confident drafter's tokens at 0.35
+    survives with chance 0.6 each, so three join under p_min_run 0.2 (0.35 x 0.35 = 0.12
+    would have stopped it after one); the continuation need is the least such probability."""
+    raw, calibrated = DraftParams(n_max=8, p_min_run=0.2), DraftParams(
+        n_max=8, p_min_run=0.2, survival=Survival(under_confident_calibration(), scale=1.0))
+    for params, expected in ((raw, 1), (calibrated, 3)):
+        grow = DraftBuilder()
+        while len(grow.ids) < 8 and grow.takes(0.35, params):
+            grow.add(len(grow.ids), 0.35, None, grow.chance(0.35, params))
+        assert len(grow.ids) == expected
+    grow = DraftBuilder()
+    grow.add(1, 0.35, None, grow.chance(0.35, calibrated))
+    need = grow.need(calibrated)
+    assert grow.takes(need + 1e-6, calibrated) and not grow.takes(need - 0.02, calibrated)
+    assert grow.need(calibrated) == pytest.approx(0.3)  # where the 60% bin starts
+    assert grow.need(raw) == pytest.approx(0.2 / grow.run_prob)
 
 
 class ConfidentModel(Speculator):
