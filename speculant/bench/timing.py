@@ -144,14 +144,16 @@ def spread(values: list[float]) -> dict:
 def machine_info(threads: int) -> dict:
     """What the README's table needs to say where it was measured. `kernel_path`: the path the
     CPU linear kernels ran on ("avx2", "avx512_vnni", "amx_int8"; "torch" for the PyTorch
-    fallback)."""
+    fallback); `prefetch_blocks`: how far ahead the VNNI kernels prefetched weights (None
+    without the native kernels)."""
     import torch
 
-    from speculant.kernels.native import kernel_path
+    from speculant.kernels.native import kernel_path, weight_prefetch_blocks
 
     return {"cpu": _cpu_model(), "num_cpus": os.cpu_count() or 0, "threads": threads,
             "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "kernel_path": kernel_path()}
+            "torch": torch.__version__, "kernel_path": kernel_path(),
+            "prefetch_blocks": weight_prefetch_blocks()}
 
 
 def _cpu_model() -> str:

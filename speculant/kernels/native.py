@@ -15,7 +15,8 @@ the library still runs on AVX2-only CPUs). The library picks the best path the C
 it loads (AMX also needs the OS's leave, asked for then);
 `SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8` forces one (a path the CPU lacks is an
 error that names it). All paths give bit-identical outputs. `kernel_path()` reports the active
-one.
+one. How far ahead the VNNI kernels prefetch weights is chosen from the CPU too
+(`SPECULANT_PREFETCH_BLOCKS=0..64` forces it; `weight_prefetch_blocks()` reports it).
 """
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ def load_ops():
         return None
     _register_fakes()
     torch.ops.speculant.kernel_path()  # applies SPECULANT_KERNEL_PATH now: a bad value raises here
+    torch.ops.speculant.weight_prefetch_blocks()  # and SPECULANT_PREFETCH_BLOCKS
     return torch.ops.speculant
 
 
@@ -80,6 +82,27 @@ def kernel_path() -> str:
     when the PyTorch fallback runs instead."""
     ops = load_ops()
     return ops.kernel_path() if ops is not None else FALLBACK_PATH
+
+
+def weight_prefetch_blocks() -> int | None:
+    """Weight blocks the AVX-512 VNNI kernels prefetch ahead (0: none; chosen from the CPU, or
+    SPECULANT_PREFETCH_BLOCKS; csrc/kernel_path.h), or None without the native kernels."""
+    ops = load_ops()
+    return int(ops.weight_prefetch_blocks()) if ops is not None else None
+
+
+@contextlib.contextmanager
+def forced_prefetch_blocks(blocks: int):
+    """Runs the block with the VNNI kernels prefetching `blocks` weight blocks ahead, then
+    restores the previous setting (tests and A/B measurements)."""
+    ops = load_ops()
+    if ops is None:
+        raise RuntimeError("weight prefetch distance requested but the native kernels are unavailable")
+    previous = ops.set_weight_prefetch_blocks(blocks)
+    try:
+        yield
+    finally:
+        ops.set_weight_prefetch_blocks(previous)
 
 
 def supported_kernel_paths() -> tuple[str, ...]:
@@ -249,7 +272,8 @@ def main() -> None:
         return
     build_dir = build()
     print(f"speculant native kernels ready in {build_dir} ({time.perf_counter() - start:.1f} s); "
-          f"kernel path {kernel_path()} (this CPU runs: {', '.join(supported_kernel_paths())})")
+          f"kernel path {kernel_path()} (this CPU runs: {', '.join(supported_kernel_paths())}), "
+          f"weight prefetch {weight_prefetch_blocks()} blocks ahead")
 
 
 if __name__ == "__main__":

@@ -82,10 +82,11 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        from speculant.kernels.native import kernel_path
+        from speculant.kernels.native import kernel_path, weight_prefetch_blocks
 
         log.info("CPU kernel path: %s (SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8 "
-                 "forces one)", kernel_path())
+                 "forces one), weight prefetch %s blocks ahead (SPECULANT_PREFETCH_BLOCKS)",
+                 kernel_path(), weight_prefetch_blocks())
         state.loop.start()
         try:
             yield

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from speculant.kernels import PackedLinear, native_available, paged_attention
-from speculant.kernels.native import forced_kernel_path, kernel_path, supported_kernel_paths
+from speculant.kernels.native import (forced_kernel_path, forced_prefetch_blocks, kernel_path,
+                                      supported_kernel_paths, weight_prefetch_blocks)
 from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -311,3 +312,50 @@ def test_default_model_writes_the_same_text_on_every_path(default_engine):
         with forced_kernel_path(path):
             outputs[path] = [s.output_ids for s in decode_all(default_engine, prompts, params)]
     assert all(ids == outputs["avx2"] for ids in outputs.values())
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_weight_prefetch_distance_never_changes_results(qtype, wide_path):
+    """How far ahead the VNNI kernels prefetch weights (chosen from the CPU) only moves memory
+    requests: every distance gives the AVX2 path's bits, at 1-32 rows and on the LM head."""
+    for out_features, in_features in [(203, 576), LM_HEAD]:
+        if out_features == LM_HEAD[0] and qtype != "Q8_0":
+            continue
+        w = PackedLinear.from_float(random_weight(out_features, in_features), qtype)
+        x = activations(32, in_features)
+        for blocks in (0, 1, 4, 64):
+            with forced_prefetch_blocks(blocks):
+                assert weight_prefetch_blocks() == blocks
+                assert_paths_agree(w, x, (1, 2, 5, 32), wide_path)
+
+
+def prefetch_blocks_in_subprocess(value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SPECULANT_PREFETCH_BLOCKS": value}
+    code = "from speculant.kernels.native import weight_prefetch_blocks; print(weight_prefetch_blocks())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_prefetch_environment_variable_sets_the_distance():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    done = prefetch_blocks_in_subprocess("7")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "7"
+
+
+@pytest.mark.parametrize("value", ["-1", "65", "four", "4.5"])
+def test_bad_prefetch_distance_is_refused_by_name(value):
+    """A bad SPECULANT_PREFETCH_BLOCKS stops the process naming the variable and the range; a bad
+    distance set in process is refused and leaves the setting as it was."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    done = prefetch_blocks_in_subprocess(value)
+    assert done.returncode != 0
+    assert f"SPECULANT_PREFETCH_BLOCKS={value}: expected a whole number of weight blocks from 0 to 64" \
+        in done.stderr
+    before = weight_prefetch_blocks()
+    if value.lstrip("-").isdigit():
+        with pytest.raises(RuntimeError, match="expected a whole number of weight blocks"):
+            with forced_prefetch_blocks(int(value)):
+                pass
+    assert weight_prefetch_blocks() == before

@@ -99,6 +99,36 @@ KernelPath path_from_env() {
 constexpr int kUnset = -1;
 std::atomic<int> active{kUnset};  // a KernelPath, or kUnset until first use
 
+constexpr int64_t kMaxPrefetchBlocks = 64;
+
+// AMD family 19h (Zen 3 and Zen 4; only Zen 4 has AVX-512): CPUID leaf 0's vendor, leaf 1's
+// family (base + extended when the base is 0xF).
+bool amd_family_19h() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u;  // AuthenticAMD
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+  const unsigned base = (eax >> 8) & 0xFu, extended = (eax >> 20) & 0xFFu;
+  return (base == 0xFu ? base + extended : base) == 0x19u;
+}
+
+int64_t parse_prefetch_blocks(const char* text, const char* source) {
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  TORCH_CHECK(end != text && *end == '\0' && value >= 0 && value <= kMaxPrefetchBlocks, source,
+              "=", text, ": expected a whole number of weight blocks from 0 to ",
+              kMaxPrefetchBlocks);
+  return value;
+}
+
+int64_t prefetch_blocks_from_env() {
+  const char* env = std::getenv("SPECULANT_PREFETCH_BLOCKS");
+  if (env != nullptr && *env != '\0') return parse_prefetch_blocks(env, "SPECULANT_PREFETCH_BLOCKS");
+  return amd_family_19h() ? 0 : 4;
+}
+
+std::atomic<int64_t> prefetch_blocks{kUnset};  // kUnset until first use
+
 }  // namespace
 
 KernelPath active_kernel_path() {
@@ -122,6 +152,24 @@ std::vector<std::string> kernel_paths() {
     if (p.supported()) names.emplace_back(p.name);
   }
   return names;
+}
+
+int64_t weight_prefetch_blocks() {
+  int64_t blocks = prefetch_blocks.load(std::memory_order_relaxed);
+  if (blocks == kUnset) {
+    int64_t expected = kUnset;  // a bad variable throws here, and at every later call
+    prefetch_blocks.compare_exchange_strong(expected, prefetch_blocks_from_env());
+    blocks = prefetch_blocks.load(std::memory_order_relaxed);
+  }
+  return blocks;
+}
+
+int64_t set_weight_prefetch_blocks(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0 && blocks <= kMaxPrefetchBlocks, "set_weight_prefetch_blocks(", blocks,
+              "): expected a whole number of weight blocks from 0 to ", kMaxPrefetchBlocks);
+  const int64_t previous = weight_prefetch_blocks();
+  prefetch_blocks.store(blocks, std::memory_order_relaxed);
+  return previous;
 }
 
 std::string set_kernel_path(const std::string& name) {

@@ -21,10 +21,20 @@ KernelPath active_kernel_path();
 // Whether `path` runs attention's inner loops with 512-bit vectors (attention_wide.h).
 bool wide_attention(KernelPath path);
 
+// How many weight blocks ahead the AVX-512 VNNI kernels request into L1 (0: none), chosen once per
+// process from the CPU (or SPECULANT_PREFETCH_BLOCKS, 0-64): a matter of the CPU's hardware
+// prefetchers, not of its instruction set. Measured on 2-core KVM guests (whole target forwards,
+// in one process, alternating): an AMD EPYC Zen 4 (family 19h) ran forwards of 1-4 rows 5-6%
+// faster without the requests; on an AMD EPYC Zen 5 (family 1Ah) the 1-row LM head had needed
+// them to reach the memory bandwidth. So none on family 19h, 4 elsewhere. Never changes results.
+int64_t weight_prefetch_blocks();
+
 // Operators (registered in ops.cpp): the active path's name; the paths this CPU supports, best
 // last; set_kernel_path(name or "auto") -> the previous path's name.
 std::string kernel_path();
 std::vector<std::string> kernel_paths();
 std::string set_kernel_path(const std::string& name);
+// set_weight_prefetch_blocks(n, 0-64) -> the previous value (tests and A/B measurements).
+int64_t set_weight_prefetch_blocks(int64_t blocks);
 
 }  // namespace speculant

@@ -417,7 +417,8 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& weight,
   quantize_acts(x.const_data_ptr<float>(), M, K, acts);
   const ActsView view{acts.q.data(), acts.d.data(), acts.dsum.data(), acts.sum.data()};
 
-  BlockLinear p{weight.const_data_ptr(), half_bits(*scales), nullptr, view, nb, N, y};
+  BlockLinear p{weight.const_data_ptr(), half_bits(*scales), nullptr, view, nb, N, y,
+                weight_prefetch_blocks()};
   if (qtype == "Q8_0") {
     check_param(weight, at::kChar, G, nb, 256, "weight");
     run_blocks(kQ8_0, p, M, nb * (256 + 16));

@@ -29,6 +29,8 @@ struct BlockLinear {
   int64_t nb;              // blocks per row: in_features / 32
   int64_t N;               // out_features: the row length of out
   float* out;              // [M, N]
+  int64_t prefetch_blocks; // VNNI kernels: weight blocks requested ahead of use (0: none;
+                           // weight_prefetch_blocks() in kernel_path.h says why it varies)
 };
 
 // Computes out[m0:m1, 8 * g0 : min(N, 8 * g1)] (weight groups [g0, g1) against activation rows

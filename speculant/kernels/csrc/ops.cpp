@@ -32,6 +32,8 @@ TORCH_LIBRARY(speculant, m) {
   m.def("kernel_path() -> str", &speculant::kernel_path);
   m.def("kernel_paths() -> str[]", &speculant::kernel_paths);
   m.def("set_kernel_path(str path) -> str", &speculant::set_kernel_path);
+  m.def("weight_prefetch_blocks() -> int", &speculant::weight_prefetch_blocks);
+  m.def("set_weight_prefetch_blocks(int blocks) -> int", &speculant::set_weight_prefetch_blocks);
   m.def("decoder_stack_release(int stack) -> ()", &speculant::decoder_stack_release);
   m.def(
       "decoder_stack(Tensor(a!) h, int stack, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "

@@ -58,9 +58,10 @@ inline __m512i load_pair(const uint8_t* w, int64_t block_bytes, int64_t nb, Pair
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo_bytes), hi_bytes, 1);
 }
 
-// Block b of both groups requested into L1 ahead of use. The hardware prefetchers alone left a
-// single-row product (the LM head at decode, 28 MB from DRAM) short of the memory bandwidth.
-constexpr int64_t kPrefetchBlocks = 4;
+// Block b of both groups requested into L1 ahead of use (p.prefetch_blocks ahead, when > 0). On
+// some CPUs the hardware prefetchers alone leave a single-row product (the LM head at decode,
+// 28 MB from DRAM) short of the memory bandwidth; on others the requests only cost issue slots
+// (kernel_path.h, weight_prefetch_blocks).
 inline void prefetch_pair(const uint8_t* w, int64_t block_bytes, int64_t nb, Pair pair,
                           int64_t b) {
   if (b >= nb) return;
@@ -115,7 +116,9 @@ struct Q4Pairs {
       for (int n = 0; n < NP; ++n)
         for (int i = 0; i < MR; ++i)
           for (int c = 0; c < kChains<MR>; ++c) dot[n][i][c] = _mm512_setzero_si512();
-      for (int n = 0; n < NP; ++n) prefetch_pair(weight, 128, nb, pairs[n], b + kPrefetchBlocks);
+      if (p.prefetch_blocks > 0) {
+        for (int n = 0; n < NP; ++n) prefetch_pair(weight, 128, nb, pairs[n], b + p.prefetch_blocks);
+      }
       for (int v = 0; v < 4; ++v) {  // chunk v: elements 4v..4v+3 (low) and 16+4v.. (high)
         __m512i lo[NP], hi[NP];
         for (int n = 0; n < NP; ++n) {
@@ -169,7 +172,9 @@ struct Q8Pairs {
       for (int n = 0; n < NP; ++n)
         for (int i = 0; i < MR; ++i)
           for (int c = 0; c < kChains<MR>; ++c) dot[n][i][c] = _mm512_setzero_si512();
-      for (int n = 0; n < NP; ++n) prefetch_pair(weight, 256, nb, pairs[n], b + kPrefetchBlocks);
+      if (p.prefetch_blocks > 0) {
+        for (int n = 0; n < NP; ++n) prefetch_pair(weight, 256, nb, pairs[n], b + p.prefetch_blocks);
+      }
       for (int c = 0; c < 8; ++c) {  // chunk c: elements 4c..4c+3
         __m512i w[NP];
         for (int n = 0; n < NP; ++n) {
