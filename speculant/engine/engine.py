@@ -610,7 +610,7 @@ class Engine:
             s.num_decode_steps += 1
             s.decode_time_s += t3 - t0
             s.decode_tokens += num_new
-            self.cost.observe(num_tokens, t3 - t1)
+            self.cost.observe(len(step.decode), num_tokens, t3 - t1)
             if self._tuner_pulled:
                 self.tuner.observe(len(step.decode), num_new,
                                    self._tuner_seconds(num_tokens, t3 - t0),

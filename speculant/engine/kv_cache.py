@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from speculant.kernels.huge_pages import empty_on_huge_pages
 from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
 
 
@@ -33,9 +34,10 @@ class KVCache:
         self.block_size = block_size
         k_shape = k_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         v_shape = v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        # Uninitialised on purpose: entries beyond a sequence's length are never read.
-        self.k = [torch.empty(k_shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(v_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Uninitialised on purpose: entries beyond a sequence's length are never read. On the
+        # CPU on 2 MB pages: attention streams each sequence's cache every step.
+        kv = empty_on_huge_pages([k_shape] * num_layers + [v_shape] * num_layers, dtype, device)
+        self.k, self.v = kv[:num_layers], kv[num_layers:]
         # Pop from the end: low block ids are handed out first, which keeps tests readable.
         self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[int, list[int]] = {}

@@ -15,6 +15,7 @@ from speculant.engine.forward_batch import ForwardBatch
 from speculant.kernels import (PackedLinear, add_rms_norm, native_available, paged_attention,
                                rms_norm, rope_cos_sin, rope_write_kv, silu_mul)
 from speculant.kernels.decoder import RegisteredStack, decoder_stack
+from speculant.kernels.huge_pages import move_to_huge_pages
 from speculant.kernels.kv_layout import native_block_size
 from speculant.engine.kv_cache import KVCache
 from speculant.models.config import ModelConfig
@@ -70,7 +71,22 @@ class Model:
             raise RuntimeError(f"model path {path!r} needs the native kernels on the CPU")
         self.path = path
         self._native = None if path != "torch" else False  # the kernels' `native=` argument
+        # the packed weights on 2 MB pages (kernels/huge_pages.py), before the stack names them
+        self.huge_page_bytes = move_to_huge_pages(self._packed_tensors()) \
+            if self.device.type == "cpu" else 0
         self._stack = RegisteredStack(self.layers) if path == "stack" else None
+
+    def _packed_mats(self) -> list:
+        """Every packed matrix: the embedding, the LM head (when untied), the layers' linears."""
+        mats = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for layer in self.layers:
+            mats += [layer.qkv, layer.attn_output, layer.gate_up, layer.down]
+        return mats
+
+    def _packed_tensors(self) -> list[torch.Tensor]:
+        return [t for m in self._packed_mats()
+                for t in (getattr(m, name, None) for name in ("data", "scales", "mins"))
+                if isinstance(t, torch.Tensor)]
 
     def _layer(self, w: dict, i: int) -> LayerWeights:
         p = f"blk.{i}."
@@ -97,10 +113,7 @@ class Model:
 
     @property
     def nbytes(self) -> int:
-        mats = [self.embed] + ([] if self.lm_head is self.embed else [self.lm_head])
-        for layer in self.layers:
-            mats += [layer.qkv, layer.attn_output, layer.gate_up, layer.down]
-        return sum(m.nbytes for m in mats)
+        return sum(m.nbytes for m in self._packed_mats())
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16,
                      dtype: torch.dtype = torch.float32) -> KVCache:

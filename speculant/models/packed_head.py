@@ -48,6 +48,12 @@ def pack_linears(module: nn.Module, qtype: str) -> int:
     return count
 
 
+def packed_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors of every packed linear below `module` (data, scales, mins)."""
+    return [t for m in module.modules() if isinstance(m, PackedLinearModule)
+            for t in (m.packed.data, m.packed.scales, m.packed.mins) if isinstance(t, torch.Tensor)]
+
+
 def resolve_head_weights(weights: str, device: str) -> str:
     """'auto' -> DEFAULT_CPU_HEAD_WEIGHTS where the native kernels run (CPU), else float32."""
     if weights not in ("auto", *HEAD_WEIGHTS):

@@ -55,8 +55,9 @@ from speculant.engine.forward_batch import ForwardBatch, SeqChunk, build_forward
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError, KVCache
 from speculant.kernels import paged_attention
 from speculant.kernels.argmax import row_argmax
+from speculant.kernels.huge_pages import move_to_huge_pages
 from speculant.kernels.kv_layout import write_kv
-from speculant.models.packed_head import pack_linears, resolve_head_weights
+from speculant.models.packed_head import pack_linears, packed_tensors, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, StepFeatures,
                                         TargetDraws, TargetView, check_model_drafter_config)
@@ -279,6 +280,10 @@ class FeatureDrafter(Speculator):
         # (packed) weights; else the reference maths op by op
         packed = getattr(head, "packed_layer", None)
         self.packed_layer = packed() if packed is not None else None
+        # its packed weights on 2 MB pages, as the target's (kernels/huge_pages.py)
+        move_to_huge_pages(packed_tensors(head) + (
+            [t for t in self.packed_layer.weights if isinstance(t, torch.Tensor)]
+            if self.packed_layer is not None else []))
 
     @classmethod
     def from_context(cls, ctx: SpeculatorContext, config: FeatureDrafterConfig | None):
