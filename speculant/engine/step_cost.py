@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class LineSums:
     """Exponentially weighted sums of observations (x, t) for a least-squares line t = a + b x:
-    the weight w, and the sums of x, t, x^2 and x t. Shared by the step-cost model and
-    `speculators/call_cost.py`."""
+    the weight w, and the sums of x, t, x^2 and x t (`speculators/call_cost.py`'s fit; the
+    step-cost model below fits a plane, `PlaneSums`)."""
 
     w: float = 0.0
     x: float = 0.0

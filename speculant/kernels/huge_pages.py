@@ -56,6 +56,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _padded(nbytes: int) -> int:
+    """A tensor's share of an arena: its bytes rounded up to ALIGN_BYTES."""
+    return (nbytes + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
 def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     """Copies the contiguous CPU tensors among `tensors` into one huge-page arena and points each
     at its copy, in place (values, shapes and dtypes unchanged). Returns the bytes moved (0
@@ -70,7 +75,7 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
         movable.append(t)
     if not movable or not huge_pages_wanted():
         return 0
-    sizes = [(_nbytes(t) + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES for t in movable]
+    sizes = [_padded(_nbytes(t)) for t in movable]
     arena = huge_page_arena(sum(sizes))
     offset = 0
     with torch.inference_mode():
@@ -89,8 +94,7 @@ def empty_on_huge_pages(shapes: list[tuple[int, ...]], dtype: torch.dtype, devic
     if torch.device(device).type != "cpu" or not huge_pages_wanted():
         return [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sizes = [(math.prod(shape) * itemsize + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-             for shape in shapes]
+    sizes = [_padded(math.prod(shape) * itemsize) for shape in shapes]
     arena = huge_page_arena(max(1, sum(sizes)))
     out, offset = [], 0
     for shape, size in zip(shapes, sizes):
