@@ -24,8 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from speculant.bench.options import (PeerSpec, check_args, is_tuned, parse_compare, parse_levels,
-                                     parse_methods)
+from speculant.bench.options import (PeerSpec, check_args, is_tuned, merge_spec_options,
+                                     parse_compare, parse_levels, parse_method_specs)
 from speculant.bench.report import PLAIN, RunResult, emit_report, now_iso, paired_speedup
 from speculant.speculators.counters import total
 
@@ -76,9 +76,10 @@ def run_bench(args) -> int:
         return run_replay(args)
     levels = parse_levels(args.concurrency)
     peer_specs = parse_compare(args.compare)
-    methods = parse_methods(args.spec_type, args.tune_compare)
+    specs = parse_method_specs(args.spec_type, args.tune_compare)
+    methods = [(name, types) for name, types, _ in specs]
     engine = _engine(args, levels, methods)
-    engines = _method_engines(engine, args, methods)
+    engines = _method_engines(engine, args, specs)
     groups = _prompt_groups(args, engine.tokenizer)
     threads = _threads()
     date, t0 = now_iso(), time.perf_counter()
@@ -88,6 +89,7 @@ def run_bench(args) -> int:
         _write_records(args.record, groups, plain_runs)
     peers = _compare(args, engine, groups, peer_specs, threads)
     meta = _meta(args, engine, date, levels, methods, threads)
+    meta["method_options"] = {name: options for name, _, options in specs if options}
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     return _report(args, meta, results, peers)
 
@@ -102,12 +104,18 @@ def _engine(args, levels: list[int], methods):
     return Engine(EngineConfig(model=args.model, **options))
 
 
-def _method_engines(engine, args, methods) -> dict:
+def _method_engines(engine, args, specs) -> dict:
     """The engine of each method: one each on the same loaded model with --interleave (plain
-    keeps the first), the one engine for all of them otherwise."""
-    if not args.interleave:
-        return {name: engine for name, _ in methods}
-    return {name: engine if i == 0 else engine.sibling() for i, (name, _) in enumerate(methods)}
+    keeps the first), the one engine for all of them otherwise; a method with options of its
+    own (`name[...]`) always has its own, its speculators built with them."""
+    engines = {}
+    for i, (name, _, options) in enumerate(specs):
+        if options:
+            engines[name] = engine.sibling(
+                spec_options=merge_spec_options(engine.config.spec_options, options))
+        else:
+            engines[name] = engine if i == 0 or not args.interleave else engine.sibling()
+    return engines
 
 
 def _threads() -> int:

@@ -66,19 +66,84 @@ class PeerSpec:
     url: str | None = None
 
 
-def parse_methods(spec_type: str, tune_compare: bool = False) -> list[tuple[str, list[str]]]:
-    """'ngram_mod,suffix;draft' -> [('plain', []), ('ngram_mod,suffix', [...]), ('draft', [...])];
-    with `tune_compare` each chain is followed by its tuned twin ('draft+tuned', [...])."""
-    from speculant.engine.config import parse_spec_types
-
-    methods = [(PLAIN, [])]
-    for chain in (spec_type or "none").split(";"):
-        types = parse_spec_types(chain)
+def parse_method_specs(spec_type: str, tune_compare: bool = False
+                       ) -> list[tuple[str, list[str], dict]]:
+    """'ngram_mod,suffix;draft' -> [('plain', [], {}), ('ngram_mod,suffix', [...], {}),
+    ('draft', [...], {})]; with `tune_compare` each chain is followed by its tuned twin
+    ('draft+tuned', ...). A chain may end in options of its own, `[TYPE.KEY=VALUE,...]`
+    (`KEY=VALUE` when it has one speculator), so two settings of one speculator compare side
+    by side: 'eagle3;eagle3[weights=q8_0]' -> [..., ('eagle3', ['eagle3'], {}),
+    ('eagle3[weights=q8_0]', ['eagle3'], {'eagle3': {'weights': 'q8_0'}})]. A method named
+    twice is refused (its runs would be one method's)."""
+    methods = [(PLAIN, [], {})]
+    for text in (spec_type or "none").split(";"):
+        types, options, suffix = split_method(text)
         if types:
-            methods.append((",".join(types), types))
+            name = ",".join(types) + suffix
+            methods.append((name, types, options))
             if tune_compare:
-                methods.append((",".join(types) + TUNED_SUFFIX, types))
+                methods.append((name + TUNED_SUFFIX, types, options))
+    names = [name for name, _, _ in methods]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"--spec-type: method {twice[0]!r} given twice")
     return methods
+
+
+def split_method(text: str) -> tuple[list[str], dict, str]:
+    """One `--spec-type` method -> (its speculators, its options {type: {key: value}}, the
+    '[...]' suffix of its name, '' without options). ValueError names what is wrong."""
+    from speculant.cli.options import parse_spec_options
+    from speculant.engine.config import parse_spec_types
+    from speculant.speculators.factory import speculator_config
+    from speculant.speculators.registry import speculator_class
+
+    chain, bracket, rest = text.strip().partition("[")
+    types = parse_spec_types(chain)
+    if not bracket:
+        if "]" in text:
+            raise ValueError(f"--spec-type: method {text.strip()!r}: ']' without '['")
+        return types, {}, ""
+    items = [item.strip() for item in rest[:-1].split(",") if item.strip()]
+    if not rest.endswith("]") or "[" in rest or "]" in rest[:-1] or not items:
+        raise ValueError(f"--spec-type: method {text.strip()!r}: options go in one [...] at "
+                         f"its end, e.g. eagle3[weights=q8_0] or "
+                         f"ngram_mod,suffix[ngram_mod.n_match=8,suffix.min_token_prob=0.2]")
+    if not types:
+        raise ValueError(f"--spec-type: method {text.strip()!r}: options need speculators "
+                         f"before the [...]")
+    named = []
+    for item in items:
+        if "." not in item.partition("=")[0]:
+            if len(types) != 1:
+                raise ValueError(f"--spec-type: method {text.strip()!r}: option {item!r} must "
+                                 f"name its speculator (TYPE.KEY=VALUE) in a chain of "
+                                 f"{len(types)}")
+            item = f"{types[0]}.{item}"
+        named.append(item)
+    try:
+        options = parse_spec_options(named)
+    except ValueError as e:
+        raise ValueError(f"--spec-type: method {text.strip()!r}: {e}") from None
+    unknown = sorted(set(options) - set(types))
+    if unknown:
+        raise ValueError(f"--spec-type: method {text.strip()!r}: options for {unknown[0]!r}, "
+                         f"which is not one of its speculators {types}")
+    for name, opts in options.items():  # unknown keys and bad values, before any model loads
+        try:
+            speculator_config(speculator_class(name), opts)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--spec-type: method {text.strip()!r}: {e}") from None
+    return types, options, "[" + ",".join(items) + "]"
+
+
+def merge_spec_options(base: dict, own: dict) -> dict:
+    """The engine's speculator options with a method's own on top (per speculator, key by
+    key)."""
+    merged = {name: dict(opts) for name, opts in base.items()}
+    for name, opts in own.items():
+        merged.setdefault(name, {}).update(opts)
+    return merged
 
 
 def is_tuned(method: str) -> bool:

@@ -139,12 +139,13 @@ def group_records(records: list[dict], categories: list[str] | None,
 def run_replay(args) -> int:
     from tqdm import tqdm
 
-    from speculant.bench.options import parse_methods
+    from speculant.bench.options import merge_spec_options, parse_method_specs
     from speculant.bench.report import emit_report
     from speculant.bench.report import now_iso
     from speculant.cli.options import parse_spec_options
 
-    methods = [(name, types) for name, types in parse_methods(args.spec_type) if types]
+    specs = [spec for spec in parse_method_specs(args.spec_type) if spec[1]]
+    methods = [(name, types) for name, types, _ in specs]
     if not methods:
         raise ValueError("--replay needs --spec-type with at least one speculator")
     records = load_records(args.replay)
@@ -158,16 +159,17 @@ def run_replay(args) -> int:
     bar = tqdm(total=len(methods) * sum(map(len, groups.values())), desc="replay", unit="record",
                file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
     rows = []
-    for name, types in methods:
+    for name, types, own in specs:
         for cat, recs in groups.items():
             bar.set_postfix_str(f"{cat} {name}")
-            chain = build_chain(types, vocab_size, options, row_cost)
+            chain = build_chain(types, vocab_size, merge_spec_options(options, own), row_cost)
             stats, seconds = replay_category(chain, recs, params, bar)
             rows.append(result_row(cat, name, stats, seconds, row_cost))
     bar.close()
     report = {"schema": SCHEMA, "date": date, "records": args.replay, "n_max": args.spec_n_max,
               "row_cost": round(row_cost, 4),
               "methods": [n for n, _ in methods],
+              "method_options": {n: own for n, _, own in specs if own},
               "categories": {cat: len(recs) for cat, recs in groups.items()},
               "results": rows, "summary": _best(rows), "files": {"json": None, "chart": None}}
     emit_report(report, args, [replay_table(rows), replay_summary(report["summary"])],

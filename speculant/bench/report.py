@@ -20,7 +20,11 @@ Top level
   interleave_s   the methods ran side by side in turns of this many seconds (--interleave),
                  or null: one after the other, in reverse order on odd repeats
   peer_repeats   measurements per peer prompt (--peer-repeats, default --repeats)
-  methods        ["plain", then each --spec-type chain, e.g. "ngram_mod,suffix"]
+  methods        ["plain", then each --spec-type chain, e.g. "ngram_mod,suffix", or a chain with
+                 options of its own, e.g. "eagle3[weights=q8_0]"]
+  method_options {method: {speculator: {option: value}}}: the options of the methods named with
+                 [...] (each ran on an engine of its own, built with them on top of
+                 --spec-option); {} when none has any
   results        [Result], one per category x method x concurrency (flat list)
   categories     {category: Category}                                    per category
   by_method      {method: {concurrency as str: MethodSummary}}           per method

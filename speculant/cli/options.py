@@ -42,7 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-type", default="none",
                    help="speculators, comma separated: ngram_simple,ngram_map_k,ngram_map_k4v,"
                         "ngram_mod,ngram_cache,suffix,draft,eagle3,mtp (or 'none'); bench "
-                        "takes several methods separated by ';'")
+                        "takes several methods separated by ';', each optionally with options "
+                        "of its own: 'eagle3;eagle3[weights=q8_0]'")
     s.add_argument("--spec-n-max", type=int, default=d("spec_n_max"), help="longest draft")
     s.add_argument("--spec-n-min", type=int, default=d("spec_n_min"), help="drop drafts shorter than this")
     s.add_argument("--spec-p-min", type=float, default=d("spec_p_min"), help="stop drafting below this confidence")

@@ -29,13 +29,17 @@ def add_tune_args(p) -> None:
 
 
 def run_tune(args) -> int:
-    from speculant.bench.options import parse_methods
+    from speculant.bench.options import parse_method_specs
     from speculant.bench.timing import machine_info
     from speculant.data.prompt_set import first_turn_prompt, read_prompts
     from speculant.llm import LLM
 
     grid, p_grid = _ints(args.grid, "--grid"), _floats(args.p_min_grid, "--p-min-grid")
-    methods = [(name, types) for name, types in parse_methods(args.spec_type) if types]
+    specs = [spec for spec in parse_method_specs(args.spec_type) if spec[1]]
+    if any(options for _, _, options in specs):
+        raise ValueError("speculant tune: per-method options ([...]) are not supported; give "
+                         "speculator options with --spec-option")
+    methods = [(name, types) for name, types, _ in specs]
     if not methods:
         raise ValueError("--spec-type: give the speculators to tune, e.g. 'ngram_mod,suffix;draft'")
     if args.concurrency < 1 or args.max_tokens < 1:

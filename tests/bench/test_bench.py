@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculant.bench import timing as bench_timing
-from speculant.bench.options import parse_compare
+from speculant.bench.options import merge_spec_options, parse_compare, parse_method_specs
 from speculant.bench.report import (
     PeerResult,
     RunResult,
@@ -24,8 +24,8 @@ from speculant.cli.main import main
 
 TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "dtype", "kv_dtype", "max_tokens",
             "concurrency", "sampling",
-            "repeats", "interleave_s", "peer_repeats", "methods", "results", "categories", "by_method", "peers", "summary", "interference",
-            "files"}
+            "repeats", "interleave_s", "peer_repeats", "methods", "method_options", "results",
+            "categories", "by_method", "peers", "summary", "interference", "files"}
 RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_tokens",
                "generated_tokens", "prefill_tok_s", "decode_tok_s", "decode_tok_s_best",
                "repeats_decode_tok_s", "e2e_tok_s", "speedup", "mean_accepted_length",
@@ -37,7 +37,7 @@ META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/mod
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "interleave_s": 0.1, "peer_repeats": 1,
         "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "verify": "auto"},
-        "methods": ["plain", "suffix"],
+        "methods": ["plain", "suffix"], "method_options": {},
         "machine": {"cpu": "test cpu", "num_cpus": 2, "threads": 2, "platform": "x",
                     "python": "3", "torch": "2"}}
 
@@ -250,6 +250,67 @@ def test_replay_per_category(tmp_path, capsys):
     assert rows[("qa", "suffix")]["est_speedup"] <= 1.0  # drafts nothing it gets accepted
 
 
+def test_methods_carry_options_of_their_own():
+    """`CHAIN[...]` gives a method options of its own: a speculator's setting against its
+    default side by side; one-speculator chains may leave the speculator out of the key."""
+    specs = parse_method_specs("suffix;suffix[max_spec_factor=0.5];"
+                               "ngram_mod,suffix[ngram_mod.n_match=8, suffix.min_token_prob=0.2]",
+                               tune_compare=True)
+    assert [(n, t) for n, t, _ in specs] == [
+        ("plain", []), ("suffix", ["suffix"]), ("suffix+tuned", ["suffix"]),
+        ("suffix[max_spec_factor=0.5]", ["suffix"]), ("suffix[max_spec_factor=0.5]+tuned", ["suffix"]),
+        ("ngram_mod,suffix[ngram_mod.n_match=8,suffix.min_token_prob=0.2]", ["ngram_mod", "suffix"]),
+        ("ngram_mod,suffix[ngram_mod.n_match=8,suffix.min_token_prob=0.2]+tuned",
+         ["ngram_mod", "suffix"])]
+    options = {n: o for n, _, o in specs}
+    assert options["suffix"] == {} and options["suffix[max_spec_factor=0.5]"] == {
+        "suffix": {"max_spec_factor": 0.5}}
+    assert options["ngram_mod,suffix[ngram_mod.n_match=8,suffix.min_token_prob=0.2]"] == {
+        "ngram_mod": {"n_match": 8}, "suffix": {"min_token_prob": 0.2}}
+    assert merge_spec_options({"suffix": {"max_tree_depth": 16}, "draft": {"model": "m"}},
+                              {"suffix": {"max_spec_factor": 0.5}}) == {
+        "suffix": {"max_tree_depth": 16, "max_spec_factor": 0.5}, "draft": {"model": "m"}}
+
+
+@pytest.mark.parametrize("spec_type, message", [
+    ("suffix;suffix", "'suffix' given twice"),
+    ("suffix[max_spec_factor=0.5", "options go in one [...] at its end"),
+    ("suffix]", "']' without '['"),
+    ("suffix[]", "options go in one [...] at its end"),
+    ("suffix[a=1][b=2]", "options go in one [...] at its end"),
+    ("[max_spec_factor=0.5]", "options need speculators"),
+    ("ngram_mod,suffix[n_match=8]", "must name its speculator"),
+    ("suffix[ngram_mod.n_match=8]", "not one of its speculators"),
+    ("suffix[bogus=1]", "unknown option(s) ['bogus']"),
+    ("suffix[max_spec_factor]", "expected TYPE.KEY=VALUE"),
+    ("nosuch[a=1]", "unknown speculator type 'nosuch'"),
+])
+def test_bad_method_options_are_refused_by_name(spec_type, message, capsys):
+    """A malformed method, an option its speculators do not have, or a method given twice
+    exits 2 naming it, before any model loads (live and replay runs alike)."""
+    for extra in ([], ["--replay", "R"]):
+        assert main(["bench", *extra, "--spec-type", spec_type]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "--spec-type" in err
+
+
+def test_replay_methods_with_their_own_options(tmp_path, capsys):
+    """Replayed side by side, a speculator's option changes what it drafts: suffix trusting
+    matches a quarter as far drafts fewer tokens per draft on the same records."""
+    records = tmp_path / "records.jsonl"
+    write_records(records)
+    assert main(["bench", "--replay", str(records), "--spec-type",
+                 "suffix;suffix[max_spec_factor=0.25]", "--categories", "summarization",
+                 "--out-dir", str(tmp_path / "out")]) == 0
+    report = last_json(capsys)
+    assert report["methods"] == ["suffix", "suffix[max_spec_factor=0.25]"]
+    assert report["method_options"] == {"suffix[max_spec_factor=0.25]": {
+        "suffix": {"max_spec_factor": 0.25}}}
+    rows = {r["method"]: r for r in report["results"]}
+    full, short = rows["suffix"], rows["suffix[max_spec_factor=0.25]"]
+    assert short["num_draft_tokens"] / short["num_drafts"] < full["num_draft_tokens"] / full["num_drafts"]
+
+
 def test_replay_row_cost_prices_drafts(tmp_path, capsys):
     """A dearer verified row makes the chain draft fewer tokens and lowers the estimated speedup
     of the same acceptance; a free row estimates the mean accepted length itself."""
@@ -419,6 +480,44 @@ def test_cli_tune_compare_runs_tuned_twins(tmp_path, capsys):
     assert by["suffix"]["tuner"] is None and by["plain"]["tuner"] is None
     assert by["suffix+tuned"]["tuner"]["1"]["steps"] > 0
     assert by["suffix"]["identical_to_plain"] == by["suffix+tuned"]["identical_to_plain"] == 1
+
+
+def test_cli_methods_with_options_run_on_engines_of_their_own(tmp_path, capsys):
+    """A method with options of its own runs on its own engine, its speculator built with them
+    (the JSON names them), beside the same speculator with its defaults; both equal plain."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "t1", "category": "qa", "mode": "chat",
+                                   "turns": ["Name three primary colors."]}) + "\n")
+    from speculant.bench import benchmark
+
+    built = []
+    original = benchmark._method_engines
+
+    def spy(engine, args, specs):
+        engines = original(engine, args, specs)
+        built.append({name: e.speculator("suffix").config.min_token_prob
+                      for name, e in engines.items() if name != "plain"})
+        built.append(len({id(e) for e in engines.values()}))
+        return engines
+
+    threads = torch.get_num_threads()
+    try:
+        benchmark._method_engines = spy
+        code = main(["bench", "--prompts", str(prompts), "--max-tokens", "8", "--concurrency", "1",
+                     "--threads", "1", "--spec-type", "suffix;suffix[min_token_prob=0.5]",
+                     "--warmup-tokens", "2", "--no-interleave", "--out-dir", str(tmp_path / "out")])
+    finally:
+        benchmark._method_engines = original
+        torch.set_num_threads(threads)
+    assert code == 0
+    report = last_json(capsys)
+    assert report["methods"] == ["plain", "suffix", "suffix[min_token_prob=0.5]"]
+    assert report["method_options"] == {"suffix[min_token_prob=0.5]": {
+        "suffix": {"min_token_prob": 0.5}}}
+    assert built[0] == {"suffix": 0.1, "suffix[min_token_prob=0.5]": 0.5}
+    assert built[1] == 2  # --no-interleave: plain and suffix share one, the option its own
+    by = {r["method"]: r for r in report["results"]}
+    assert by["suffix"]["identical_to_plain"] == by["suffix[min_token_prob=0.5]"]["identical_to_plain"] == 1
 
 
 def test_tune_compare_does_not_apply_to_replay(capsys):
