@@ -53,3 +53,14 @@ def test_tune_command_measures_and_writes_a_loadable_file(tmp_path):
     assert "| ngram_mod,suffix | 2 |" in proc.stdout and "| ngram_mod,suffix | 8 |" in proc.stdout
     setting = read_spec_params(out)["ngram_mod,suffix"]
     assert setting.spec_n_max in (0, 2, 8)
+
+
+def test_tune_refuses_methods_with_options_of_their_own(tmp_path, capsys):
+    """`speculant tune` searches n_max / p_min per chain; a bench-style `CHAIN[...]` method is
+    refused by name (pointing to --spec-option) before any model loads."""
+    from speculant.cli.main import main
+
+    assert main(["tune", "--prompts", str(tmp_path / "none.jsonl"),
+                 "--spec-type", "suffix;suffix[max_spec_factor=0.5]"]) == 2
+    err = capsys.readouterr().err
+    assert "per-method options" in err and "--spec-option" in err
