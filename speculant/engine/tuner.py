@@ -85,6 +85,16 @@ LOW_GAIN = 0.1
 # ... averaged over the bucket's drafting steps (the last ~500 of them): the chain's gains come
 # in bursts, and a 50-step average dipped under LOW_GAIN between them (qa at c=8: switched off)
 GAIN_SMOOTHING = 0.002
+# At concurrency 1 a new request restarts the bucket (`SpecTuner._restart`) unless the warm-ups
+# of this many restarted requests in a row gained under LOW_GAIN (until drafting wins a
+# comparison again). The long average above alone remembered the workload before: after 20
+# summarization prompts where the 4-layer draft paid, it still read ~0.5 through the next 20 qa
+# prompts, each of which restarted, drafted its 32 warm-up steps at a loss and was switched
+# off again (13 switches off in one bench run; tuned 0.965x plain against 0.985x when qa ran
+# alone). Two, not one: a request's drafting stretch that ended in a switch off is its worst;
+# judged by its last 64 drafting steps, the draft switched off in summarization's first
+# request never came back (1.03x plain where it pays 1.09x).
+MAX_FAILED_WARMUPS = 2
 # Drafting that gains nothing at all (fewer accepted tokens per sequence per step than this,
 # over its last ~`NO_GAIN_STEPS` drafting steps, at least that many seen) commits exactly what
 # plain decoding commits, at a cost: plain takes over at once, whatever the clock says. The
@@ -259,6 +269,11 @@ class BucketState:
     # accepted tokens per sequence per drafting step, a moving average (None before one)
     drafting_gain: float | None = None
     num_drafting_steps: int = 0
+    # the gain summed over the drafting steps of this (re)start's warm-up, and their number
+    warmup_gain: float = 0.0
+    num_warmup_steps: int = 0
+    # restarted requests in a row whose warm-up gained under LOW_GAIN (MAX_FAILED_WARMUPS)
+    failed_warmups: int = 0
     # the same gain over the last ~NO_GAIN_STEPS drafting steps since the bucket (re)started
     recent_gain: float = 0.0
     num_recent_steps: int = 0
@@ -402,6 +417,9 @@ class SpecTuner:
         if arm.n_max > 0:
             state.num_drafting_steps += 1
             gain = tokens / num_decoding - 1.0
+            if state.measuring and state.steps - state.start_step < self.config.warmup_steps:
+                state.warmup_gain += gain
+                state.num_warmup_steps += 1
             weight = max(1.0 / state.num_drafting_steps, GAIN_SMOOTHING)
             state.drafting_gain = gain if state.drafting_gain is None else \
                 state.drafting_gain + weight * (gain - state.drafting_gain)
@@ -481,14 +499,20 @@ class SpecTuner:
         follow the new text), and while drafting has gained nothing so far (`LOW_GAIN`, over
         every request's drafting steps): a drafter the chain prices out everywhere has no good
         request to find, and its small cost, within one request's noise, is only told from
-        plain over many requests."""
+        plain over many requests; nor after MAX_FAILED_WARMUPS restarted requests in a row
+        whose warm-up gained little (the requests it paid on are over; a comparison it wins
+        under plain brings the restarts back, `_switch`)."""
+        if old.num_warmup_steps:  # the last warm-up, counted once
+            failed = old.warmup_gain / old.num_warmup_steps < LOW_GAIN
+            old.failed_warmups = old.failed_warmups + 1 if failed else 0
+            old.warmup_gain, old.num_warmup_steps = 0.0, 0
         if old.arms[old.incumbent].n_max != 0 or old.drafting_gain is None or \
-                old.drafting_gain < LOW_GAIN:
+                old.drafting_gain < LOW_GAIN or old.failed_warmups >= MAX_FAILED_WARMUPS:
             return old
         state = BucketState([ArmStats(n) for n in self.grid], incumbent=len(self.grid) - 1,
                             explore_interval=self.config.explore_every, steps=old.steps,
                             start_step=old.steps, num_switches_off=old.num_switches_off,
-                            drafting_gain=old.drafting_gain,
+                            drafting_gain=old.drafting_gain, failed_warmups=old.failed_warmups,
                             num_drafting_steps=old.num_drafting_steps)
         self._buckets[concurrency_bucket(1)] = state
         return state
@@ -534,6 +558,8 @@ class SpecTuner:
         state.incumbent = index
         if new.n_max == 0:
             state.num_switches_off += 1
+        else:
+            state.failed_warmups = 0  # drafting won again: new requests restart again
         state.explore_interval = self.config.explore_every
         state.next_explore = state.steps + state.explore_interval
 

@@ -134,6 +134,56 @@ def test_a_drafter_that_gains_nothing_stays_off_for_the_next_request():
     assert nxt.count(16) <= 1 and tuner.best(1) == 0  # at most a re-measurement, no warm-up
 
 
+def test_requests_after_a_workload_where_drafting_paid_stop_restarting():
+    """20 requests where drafting pays (a token more a step, 1.2x plain's time), then 20 where
+    it gains 0.05 tokens a step at 1.12x the time: once drafting is switched off there, a new
+    request no longer restarts the bucket (the last requests' drafting gained nothing), so its
+    warm-up is not drafted at a loss again and again: two restarted warm-ups that gained
+    little, then none (before: 52-68 drafted steps in each of the last 14 requests, against
+    the long average of the paying requests)."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    count = itertools.count()
+
+    def paying(n):
+        return (2, 1.2) if n else (1, 1.0)
+
+    def losing(n):
+        return ((2 if next(count) % 20 == 0 else 1), 1.12) if n else (1, 1.0)
+
+    first = run_requests(tuner, [(i, 130) for i in range(20)], paying)
+    assert sum(c.count(16) for c in first) >= 0.9 * 20 * 130
+    second = run_requests(tuner, [(100 + i, 130) for i in range(20)], losing)
+    drafted = [c.count(16) for c in second]
+    assert all(d >= 32 for d in drafted[:2])  # drafting, the incumbent, carries over at first
+    switched = next(i for i, d in enumerate(drafted) if d < 100)  # the request it went off in
+    restarted = [i for i, d in enumerate(drafted) if i > switched and d >= 32]
+    assert len(restarted) == 2, drafted
+    assert sum(drafted[restarted[-1] + 1:]) <= 8 * (19 - restarted[-1]), drafted  # probes only
+    assert tuner.best(1) == 0
+
+
+def test_one_losing_warm_up_does_not_stop_the_restarts():
+    """A paying request, then two where drafting gains 0.05 tokens a step at twice plain's
+    time (switched off in the first; the second restarts and its warm-up loses), then paying
+    ones again: one failed warm-up is not enough to stop the restarts, so they warm up
+    drafting and keep it."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    count = itertools.count()
+
+    def paying(n):
+        return (2, 1.2) if n else (1, 1.0)
+
+    def losing(n):
+        return ((2 if next(count) % 20 == 0 else 1), 2.0) if n else (1, 1.0)
+
+    run_requests(tuner, [(0, 130)], paying)
+    first_loss, second_loss = run_requests(tuner, [(1, 130), (2, 130)], losing)
+    assert first_loss[-20:].count(16) <= 2
+    assert second_loss[:32] == [16] * 32 and second_loss[-20:].count(16) <= 2
+    later = run_requests(tuner, [(i, 130) for i in range(3, 6)], paying)
+    assert all(c[:32] == [16] * 32 and c.count(16) >= 120 for c in later)
+
+
 def test_an_arm_far_behind_is_re_measured_rarer():
     """Drafting at half plain's goodput: after the switch to plain, the gaps between drafting
     probes grow 4x (a losing draft model's probes are its costliest steps); an arm within the
