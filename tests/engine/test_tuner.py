@@ -134,6 +134,18 @@ def test_a_drafter_that_gains_nothing_stays_off_for_the_next_request():
     assert nxt.count(16) <= 1 and tuner.best(1) == 0  # at most a re-measurement, no warm-up
 
 
+def paying_step(n):
+    """Drafting commits a token more a step at 1.2x plain's time."""
+    return (2, 1.2) if n else (1, 1.0)
+
+
+def losing_steps(seconds):
+    """A step function where drafting gains 0.05 tokens a step (one more token every 20th
+    drafting step) at `seconds` per step, against plain's 1 token in 1 s."""
+    count = itertools.count()
+    return lambda n: ((2 if next(count) % 20 == 0 else 1), seconds) if n else (1, 1.0)
+
+
 def test_requests_after_a_workload_where_drafting_paid_stop_restarting():
     """20 requests where drafting pays (a token more a step, 1.2x plain's time), then 20 where
     it gains 0.05 tokens a step at 1.12x the time: once drafting is switched off there, a new
@@ -142,13 +154,7 @@ def test_requests_after_a_workload_where_drafting_paid_stop_restarting():
     little, then none (before: 52-68 drafted steps in each of the last 14 requests, against
     the long average of the paying requests)."""
     tuner = SpecTuner(TunerConfig(), max_n=16)
-    count = itertools.count()
-
-    def paying(n):
-        return (2, 1.2) if n else (1, 1.0)
-
-    def losing(n):
-        return ((2 if next(count) % 20 == 0 else 1), 1.12) if n else (1, 1.0)
+    paying, losing = paying_step, losing_steps(1.12)
 
     first = run_requests(tuner, [(i, 130) for i in range(20)], paying)
     assert sum(c.count(16) for c in first) >= 0.9 * 20 * 130
@@ -168,13 +174,7 @@ def test_one_losing_warm_up_does_not_stop_the_restarts():
     ones again: one failed warm-up is not enough to stop the restarts, so they warm up
     drafting and keep it."""
     tuner = SpecTuner(TunerConfig(), max_n=16)
-    count = itertools.count()
-
-    def paying(n):
-        return (2, 1.2) if n else (1, 1.0)
-
-    def losing(n):
-        return ((2 if next(count) % 20 == 0 else 1), 2.0) if n else (1, 1.0)
+    paying, losing = paying_step, losing_steps(2.0)
 
     run_requests(tuner, [(0, 130)], paying)
     first_loss, second_loss = run_requests(tuner, [(1, 130), (2, 130)], losing)
