@@ -17,8 +17,9 @@ so rejection sampling can use it.
 """
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,7 +31,12 @@ from speculant.speculators.base import (Draft, DraftBuilder, DraftRequest, Specu
 from speculant.speculators.continuation import ContinuationRecord
 from speculant.speculators.coupled import coupled_pick
 from speculant.speculators.draft_vocab import head_token_ids, read_ranking
+from speculant.speculators.feature_drafter import shipped_head_path
 from speculant.speculators.ngram_match import common_prefix_len
+
+
+# target file name -> the draft shipped for it under drafts/ (`--spec-type draft` with no model)
+SHIPPED_DRAFTS = {"SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2-135m-draft-4l"}
 
 
 @dataclass(slots=True)
@@ -124,8 +130,13 @@ class DraftModelSpeculator(Speculator):
 
         config = config or DraftModelConfig()
         if not config.model:
-            raise ValueError("spec type 'draft' needs a draft model: --draft-model PATH "
-                             "(or --spec-option draft.model=PATH)")
+            # the default model has a shipped draft (as `eagle3` finds its head)
+            shipped = shipped_head_path(ctx.target, SHIPPED_DRAFTS) if ctx.target else ""
+            if not shipped:
+                raise ValueError("spec type 'draft' needs a draft model: --draft-model PATH "
+                                 "(or --spec-option draft.model=PATH); none is shipped for "
+                                 f"{os.path.basename(ctx.target.model_path) if ctx.target else 'this target'}")
+            config = replace(config, model=shipped)
         model, tokenizer = load_draft(config.model, config.dtype, ctx.device)
         if ctx.tokenizer is not None:
             check_vocab_compatible(ctx.tokenizer, tokenizer)

@@ -311,3 +311,23 @@ def test_no_further_draft_forward_once_the_run_cannot_pay(self_draft_engine):
     assert lengths[0.0] == (4, 4)
     # a first token of probability exactly 1 would leave need = 1 and one more forward
     assert lengths[1.0] in ((1, 1), (2, 2))
+
+
+def test_draft_with_no_model_finds_the_draft_shipped_for_the_default_model():
+    """Issue 18's command names `--spec-type draft` alone: the default model's shipped draft
+    loads, as `eagle3` finds its head, and speculative output stays plain output."""
+    engine = Engine(model="default", spec_type=["draft"], max_num_seqs=2,
+                    num_threads=TEST_THREADS, kv_cache_tokens=4096)
+    draft = engine.chain.speculators["draft"]
+    assert os.path.samefile(draft.config.model, SHIPPED_DRAFT)
+    prompts = PROMPTS[:2]
+    spec = run(engine, prompts, SpecParams())
+    plain = run(engine, prompts, SpecParams(enabled=False))
+    assert [s.output_ids for s in spec] == [p.output_ids for p in plain]
+
+
+def test_draft_with_no_model_and_none_shipped_names_the_flag():
+    from speculant.speculators.base import SpeculatorContext
+
+    with pytest.raises(ValueError, match="needs a draft model: --draft-model PATH.*this target"):
+        DraftModelSpeculator.from_context(SpeculatorContext(vocab_size=49152), None)
