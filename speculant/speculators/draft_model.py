@@ -41,7 +41,8 @@ SHIPPED_DRAFTS = {"SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2-135m-draft-4l"}
 
 @dataclass(slots=True)
 class DraftModelConfig:
-    """- model: path of the draft model (GGUF or HF folder); `--draft-model` sets it.
+    """- model: path of the draft model (GGUF or HF folder); `--draft-model` sets it. Empty =
+      the draft shipped for the target (`SHIPPED_DRAFTS`), if there is one.
     - dtype: weights of the draft. auto keeps a GGUF's quantization and packs the float
       weights of an HF folder as Q8_0: a draft's precision changes only how often it is right,
       never the output, and Q8_0 runs the shipped 4-layer draft 1.6x (catching up) to 2x (one
@@ -133,9 +134,9 @@ class DraftModelSpeculator(Speculator):
             # the default model has a shipped draft (as `eagle3` finds its head)
             shipped = shipped_head_path(ctx.target, SHIPPED_DRAFTS) if ctx.target else ""
             if not shipped:
+                target = os.path.basename(ctx.target.model_path) if ctx.target else "this target"
                 raise ValueError("spec type 'draft' needs a draft model: --draft-model PATH "
-                                 "(or --spec-option draft.model=PATH); none is shipped for "
-                                 f"{os.path.basename(ctx.target.model_path) if ctx.target else 'this target'}")
+                                 f"(or --spec-option draft.model=PATH); none is shipped for {target}")
             config = replace(config, model=shipped)
         model, tokenizer = load_draft(config.model, config.dtype, ctx.device)
         if ctx.tokenizer is not None:
