@@ -10,8 +10,8 @@ arm is scored by *goodput*, tokens committed per second of engine time (drafting
 verification included).
 
 Arms are compared *in pairs, at the same moment*: a step of another arm (a probe) is scored
-against the incumbent's goodput over its last few steps (`LOCAL_SMOOTHING`), i.e. at the same
-context length, batch and machine state. Goodput falls as contexts grow and this machine's
+against the incumbent's goodput over its last few steps before it (`LOCAL_SMOOTHING`) and its
+first `SETTLE_STEPS` after it, i.e. at the same context length, batch and machine state. Goodput falls as contexts grow and this machine's
 speed drifts by 5-10% within minutes, so arms measured at different times do not compare;
 an earlier version priced every step at the step-cost model's plain estimate instead, and that
 model's bias (a linear fit of forward time in rows, dominated by drafting steps) read drafting
@@ -123,6 +123,18 @@ EVIDENCE_HORIZON = 256
 # shows that the text turned: the old record then counts `STALE_WEIGHT` (`SpecTuner._turned`).
 # The chain's probes in its turn on qa at c=8 read 1.25-1.30x plain against a record of 0.98.
 TURN_LEAD = 1.2
+# A probe is scored once the incumbent has taken this many steps after it: its reference is the
+# incumbent's goodput over its last ~8 steps before the probe *and* these after it. Scored
+# against the steps before alone, plain probes under the chain (`ngram_mod,suffix`, c=1) read
+# 0.79 / 0.83 / 0.57 of the chain's goodput on summarization / qa / code_edit where plain's and
+# the chain's own steps over the whole run gave 0.61 / 0.63 / 0.48: the chain's steps just
+# before a probe committed 2.15-2.32 tokens (summarization), those just after 2.5-2.8. A probe
+# often comes when the incumbent's goodput has just fallen (`STALE_DROP`: a request with less
+# to copy began), i.e. in a dry spell that the steps after it leave. So the tuner saw a 1.7x
+# chain as 1.2x, kept plain "open" and probed it every ~32 steps: 32-43 plain steps in
+# 1,400-2,200, ~1% of the chain's speed. Replayed on the same logged runs, the steps before and
+# after read 0.66 / 0.63 / 0.47.
+SETTLE_STEPS = 8
 
 
 @dataclass(slots=True)
@@ -279,6 +291,26 @@ class BucketState:
     num_recent_steps: int = 0
     start_step: int = 0  # `steps` when this bucket's measuring began (a restart: see `choose`)
     alone: int | None = None  # bucket 1: the sequence that decoded alone in its last step
+    pending: list["PendingProbe"] = field(default_factory=list)  # probes not yet scored
+
+
+@dataclass(slots=True)
+class PendingProbe:
+    """A probe waiting for the incumbent's steps after it (`SETTLE_STEPS`): what it committed
+    and took, and the incumbent's recent tokens and seconds before it, then after it."""
+
+    arm: int  # index into the bucket's arms
+    step: int  # the bucket's step count at the probe
+    tokens: float
+    seconds: float
+    gain: float  # accepted tokens per sequence in the probe's step
+    ref_tokens: float
+    ref_seconds: float
+    num_after: int = 0
+
+    @property
+    def ref_token_s(self) -> float:  # the incumbent's seconds per token around the probe
+        return self.ref_seconds / self.ref_tokens
 
 
 def concurrency_bucket(num_decoding: int) -> int:
@@ -380,7 +412,8 @@ class SpecTuner:
                 index = state.incumbent
             else:
                 index = min(unmeasured, key=lambda i: (arms[i].n_max != 0, arms[i].pulls, i))
-        elif state.steps >= state.next_explore:
+        elif state.steps >= state.next_explore and self._settle(state) and \
+                state.steps >= state.next_explore:
             index = self._explore(state)
             self._fade(state, state.arms[index])
         else:
@@ -404,15 +437,22 @@ class SpecTuner:
         its recent goodput within ~8 steps, and plain needs two decisive probes."""
         state = self._bucket(num_decoding)
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
+        scored: list[ArmStats] = []
         if arm is not incumbent:
             seconds = max(seconds - catch_up_seconds, 0.1 * seconds)
-            ref_token_s = incumbent.recent.token_s
-            if ref_token_s is not None:
-                ref_s = tokens * ref_token_s
-                if self._turned(state, arm, tokens / num_decoding - 1.0, ref_s / seconds):
-                    arm.discount(STALE_WEIGHT)
-                arm.compare(tokens, seconds, ref_s, self.config.smoothing)
-                arm.last_ref_goodput = incumbent.goodput
+            if incumbent.recent.tokens > 0:
+                probe = PendingProbe(state.current, state.steps, tokens, seconds,
+                                     tokens / num_decoding - 1.0,
+                                     incumbent.recent.tokens, incumbent.recent.seconds)
+                state.pending.append(probe)
+                if self._decisive(state, probe):
+                    scored = self._score_pending(state, only=probe)
+        else:
+            for probe in state.pending:
+                probe.ref_tokens += tokens
+                probe.ref_seconds += seconds
+                probe.num_after += 1
+            scored = self._score_pending(state, min_after=SETTLE_STEPS)
         arm.observe(tokens, seconds, self.config.smoothing, state.steps)
         if arm.n_max > 0:
             state.num_drafting_steps += 1
@@ -430,9 +470,46 @@ class SpecTuner:
         if not state.measuring:
             if arm is incumbent:
                 self._discount_stale(state)
-            else:
-                self._after_probe(state, arm)
+            for probed, step in scored:
+                self._after_probe(state, probed, step)
         self._challenge(state)
+
+    def _settle(self, state: BucketState) -> bool:
+        """Score every pending probe with the incumbent's steps seen after it so far (the next
+        probe is due: it is chosen on what the last one showed, as if that one had been scored
+        at once); True (for `choose`'s condition)."""
+        for probed, step in self._score_pending(state):
+            if not state.measuring:
+                self._after_probe(state, probed, step)
+        self._challenge(state)
+        return True
+
+    def _decisive(self, state: BucketState, probe: PendingProbe) -> bool:
+        """Whether a probe of plain decoding is so far ahead of a drafting incumbent
+        (`DECISIVE_GAP`, against its steps before the probe) that it is scored at once: a
+        draft model catching up on its prompts costs ~10 plain steps a step, and waiting
+        `SETTLE_STEPS` of them for a precise reference costs more than it can tell."""
+        ratio = probe.tokens * probe.ref_token_s / probe.seconds
+        return state.arms[probe.arm].n_max == 0 and ratio > DECISIVE_GAP
+
+    def _score_pending(self, state: BucketState, min_after: int = 0,
+                       only: PendingProbe | None = None) -> list[tuple[ArmStats, int]]:
+        """Score the pending probes that have seen `min_after` incumbent steps after them (or
+        just `only`) against the incumbent's goodput around them; returns their arms and
+        steps."""
+        due = [p for p in state.pending if p is only or (only is None and p.num_after >= min_after)]
+        if not due:
+            return []
+        incumbent = state.arms[state.incumbent]
+        state.pending = [p for p in state.pending if all(p is not d for d in due)]
+        for probe in due:
+            arm = state.arms[probe.arm]
+            ref_s = probe.tokens * probe.ref_token_s
+            if self._turned(state, arm, probe.gain, ref_s / probe.seconds):
+                arm.discount(STALE_WEIGHT)
+            arm.compare(probe.tokens, probe.seconds, ref_s, self.config.smoothing)
+            arm.last_ref_goodput = incumbent.goodput
+        return [(state.arms[p.arm], p.step) for p in due]
 
     def best(self, num_decoding: int) -> int:
         """The incumbent limit (the one used between re-measurements); for a bucket that has
@@ -529,6 +606,8 @@ class SpecTuner:
                       if i != state.incumbent and a.compared and a.pulls >= min_pulls
                       and not (a.n_max > 0 and gains_nothing)]
         plain = arms[0]  # arm 0: the smallest limit
+        if gains_nothing and state.incumbent != 0:
+            self._score_pending(state)  # the clock does not matter here: no need to wait
         if state.incumbent != 0 and plain.compared and (gains_nothing or (
                 plain.pulls >= DECISIVE_PROBES and plain.speedup > DECISIVE_GAP)):
             self._switch(state, 0)
@@ -547,6 +626,7 @@ class SpecTuner:
     def _switch(self, state: BucketState, index: int) -> None:
         """`index` becomes the incumbent: the other arms' comparisons are re-expressed against
         it (the old incumbent's is the mirror of the new one's)."""
+        self._score_pending(state)  # against the old incumbent, with the steps seen so far
         arms, old = state.arms, state.arms[state.incumbent]
         new = arms[index]
         for arm in arms:
@@ -592,12 +672,13 @@ class SpecTuner:
                 state.explore_interval = self.config.explore_every
                 state.next_explore = min(state.next_explore, state.steps)
 
-    def _after_probe(self, state: BucketState, arm: ArmStats) -> None:
+    def _after_probe(self, state: BucketState, arm: ArmStats, step: int) -> None:
         """A re-measured arm far behind the incumbent is probed half as often again: a probe of
         a losing draft model is costly (it catches up on every sequence's tokens since its last
         draft), as the shipped draft on chat at c=8. One that may now beat the incumbent is
         measured again soon: at the base interval while it measures ahead, `BEHIND_SLOWDOWN`
-        times that while it measures behind (as `_explore` schedules it)."""
+        times that while it measures behind (as `_explore` schedules it). `step`: the probe's
+        own step (it is scored up to `SETTLE_STEPS` later): the intervals count from it."""
         if arm.compared and arm.speedup < 1 - 2 * self.config.margin:
             state.explore_interval = min(2 * state.explore_interval,
                                          self.config.max_explore_every)
@@ -608,13 +689,13 @@ class SpecTuner:
             # not sooner than that: the first probe of an arm not compared yet was scheduled at
             # the base interval, and kept there, plain was probed every 8 steps under a 1.4x
             # chain (5 plain steps in the 82 decode-only steps of code_edit at c=8)
-            state.next_explore = max(state.next_explore, state.steps + base * BEHIND_SLOWDOWN)
+            state.next_explore = max(state.next_explore, step + 1 + base * BEHIND_SLOWDOWN)
         else:
             # measured again at the base interval, not at the doubled one its pick set (a chain
             # probed at step 189 at 1.17x plain, upper bound 1.66, had its next probe set for
             # step 701)
             state.explore_interval = base
-            state.next_explore = min(state.next_explore, state.steps + base)
+            state.next_explore = min(state.next_explore, step + 1 + base)
 
     def _turned(self, state: BucketState, arm: ArmStats, gain: float, ratio: float) -> bool:
         """Whether a probe of drafting under a plain incumbent shows that the text turned: it

@@ -619,3 +619,24 @@ def test_drafting_that_stops_gaining_is_switched_off_once_and_comes_back():
     assert choices[300:400].count(0) > 90
     back = next(i for i in range(400, 900) if choices[i:i + 20].count(16) >= 18)
     assert back < 700
+
+
+def test_probes_are_scored_against_the_incumbents_steps_before_and_after_them():
+    """Drafting alternates 30 steps committing 3 tokens with 30 committing 1 (plain's rate, a
+    dry spell), 2.0x plain over time. A dry spell makes drafting's goodput fall and plain due
+    for a probe (`STALE_DROP`), so a probe scored against the steps before it alone met the dry
+    spell: drafting read 1.61x and plain, kept open, was probed 19 times in 4,000 steps. Scored
+    against the steps before and after it (`SETTLE_STEPS`), drafting reads within 10% of its
+    2.0x and plain is probed at most 12 times."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    num_plain = 0
+    for step in range(4000):
+        if tuner.choose(1) == 0:
+            num_plain += 1
+            tuner.observe(1, 1, 1.0)
+        else:
+            tuner.observe(1, 3 if step % 60 < 30 else 1, 1.0)
+    summary = tuner.summary()["1"]
+    assert summary["n_max"] == 16 and summary["num_switches_off"] == 0
+    assert summary["speedup"]["16"] == pytest.approx(2.0, rel=0.1)
+    assert num_plain <= 12
