@@ -78,3 +78,32 @@ def test_cost_per_token_grows_with_the_number_of_sequences():
     model = StepCostModel(fixed_s=0.008, per_seq_s=0.0004, per_row_s=0.0004)
     assert model.cost_per_token(1) < model.cost_per_token(8) < 1.0
     assert abs(model.cost_per_token(1) - 0.0004 / 0.0084) < 1e-12
+
+
+def test_a_row_price_fitted_too_high_fades_back_when_drafting_stops():
+    """A few drafting steps that read a row at 1.5 plain steps (an early outlier, c=1): the
+    chain then drafts nothing, so no step can correct that price. Kept as fitted (before), it
+    priced drafting out for the rest of a bench run (0.97x plain where the chain paid 1.29x);
+    it now fades back to the prior as those steps' weight decays."""
+    model = StepCostModel()
+    prior_row_s = model.per_row_s
+    for i in range(20):
+        d = 1 + i % 4
+        model.observe(1, 1 + d, 0.008 + 0.012 * d)
+    assert model.cost_per_token(1) == pytest.approx(1.5, rel=0.05)
+    costs = []
+    for _ in range(400):  # plain steps only
+        model.observe(1, 1, 0.008)
+        costs.append(model.cost_per_token(1))
+    assert costs[30] > 1.0  # a short pause in drafting keeps the fit
+    assert model.per_row_s == pytest.approx(prior_row_s, rel=0.1) and costs[-1] < 0.1
+
+
+def test_drafting_now_and_then_keeps_its_fitted_row_price():
+    """One drafting step in ten (the chain pricing most drafts out) is evidence enough: the
+    fitted price stays, it does not fade to the prior."""
+    model = StepCostModel()
+    for i in range(600):
+        d = 2 + i % 3 if i % 10 == 0 else 0
+        model.observe(1, 1 + d, 0.008 + 0.002 * d)
+    assert model.cost_per_token(1) == pytest.approx(0.25, rel=0.02)
