@@ -11,10 +11,10 @@ verification included).
 
 Arms are compared *in pairs, at the same moment*: a step of another arm (a probe) is scored
 against the incumbent's goodput over its last few steps before it (`LOCAL_SMOOTHING`) and its
-first `SETTLE_STEPS` after it, i.e. at the same context length, batch and machine state. Goodput falls as contexts grow and this machine's
-speed drifts by 5-10% within minutes, so arms measured at different times do not compare;
-an earlier version priced every step at the step-cost model's plain estimate instead, and that
-model's bias (a linear fit of forward time in rows, dominated by drafting steps) read drafting
+first `SETTLE_STEPS` after it, i.e. at the same context length, batch and machine state.
+Goodput falls as contexts grow and this machine's speed drifts by 5-10% within minutes, so arms
+measured at different times do not compare; an earlier version priced every step at the
+step-cost model's plain estimate instead, and that model's bias (a linear fit of forward time in rows, dominated by drafting steps) read drafting
 and plain equal on summarization at c=1 (0.914 vs 0.917) where drafting measured 0.92x plain,
 which kept a losing draft model on.
 
@@ -412,8 +412,7 @@ class SpecTuner:
                 index = state.incumbent
             else:
                 index = min(unmeasured, key=lambda i: (arms[i].n_max != 0, arms[i].pulls, i))
-        elif state.steps >= state.next_explore and self._settle(state) and \
-                state.steps >= state.next_explore:
+        elif state.steps >= state.next_explore and self._settle(state):
             index = self._explore(state)
             self._fade(state, state.arms[index])
         else:
@@ -437,7 +436,7 @@ class SpecTuner:
         its recent goodput within ~8 steps, and plain needs two decisive probes."""
         state = self._bucket(num_decoding)
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
-        scored: list[ArmStats] = []
+        scored: list[tuple[ArmStats, int]] = []
         if arm is not incumbent:
             seconds = max(seconds - catch_up_seconds, 0.1 * seconds)
             if incumbent.recent.tokens > 0:
@@ -475,14 +474,15 @@ class SpecTuner:
         self._challenge(state)
 
     def _settle(self, state: BucketState) -> bool:
-        """Score every pending probe with the incumbent's steps seen after it so far (the next
-        probe is due: it is chosen on what the last one showed, as if that one had been scored
-        at once); True (for `choose`'s condition)."""
+        """A probe is due: score the pending ones with the incumbent's steps seen after them so
+        far (the next probe is chosen on what the last one showed, as if that one had been
+        scored at once). Whether a probe is still due after that (scoring may have moved the
+        schedule, `_after_probe`, or the incumbent, `_challenge`)."""
         for probed, step in self._score_pending(state):
             if not state.measuring:
                 self._after_probe(state, probed, step)
         self._challenge(state)
-        return True
+        return state.steps >= state.next_explore
 
     def _decisive(self, state: BucketState, probe: PendingProbe) -> bool:
         """Whether a probe of plain decoding is so far ahead of a drafting incumbent
