@@ -377,7 +377,7 @@ class Engine:
         # its next token (the last of token_ids, fed by the next decode step).
         wants_logits = start + n == seq.num_prompt and seq.num_generated == 0
         return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n], int(wants_logits),
-                        self._feature_rows(seq, n))
+                        self._feature_rows(seq, n), seq.num_prompt)
 
     def _decode_chunk(self, seq: Sequence, draft: Draft | None) -> SeqChunk:
         tokens = [seq.token_ids[-1]] + (draft.token_ids if draft is not None else [])

@@ -19,6 +19,9 @@ class SeqChunk:
     # hidden states wanted (when the batch captures layers) for the last `num_feature_rows`
     # tokens of the chunk; None = all of them
     num_feature_rows: int | None = None
+    # positions below this are the sequence's prompt (attention may run them on tiles: see
+    # kernels/attention.py); 0 for decode and verification chunks, which hold none
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -36,6 +39,8 @@ class ForwardBatch:
     hidden_rows: torch.Tensor | None = None
     # [S + 1] prefix sums of returned hidden rows per chunk (== cu_num_tokens when all are)
     cu_num_hidden: list[int] | None = None
+    # [S] int32 prompt length of each chunk's sequence, when a chunk holds prompt positions
+    prompt_lens: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +61,7 @@ def build_forward_batch(cache: KVCache, chunks: list[SeqChunk], device="cpu",
     hidden_rows: list[int] = []
     cu_tokens, cu_logits, cu_hidden = [0], [0], [0]
     tables: list[list[int]] = []
+    prompt_lens = [chunk.num_prompt_tokens for chunk in chunks]
     for row, chunk in enumerate(chunks):
         n = len(chunk.token_ids)
         if n == 0:
@@ -93,4 +99,6 @@ def build_forward_batch(cache: KVCache, chunks: list[SeqChunk], device="cpu",
         hidden_rows=(as_tensor(hidden_rows, torch.int64)
                      if hidden_layers and len(hidden_rows) < len(token_ids) else None),
         cu_num_hidden=cu_hidden,
+        prompt_lens=(as_tensor(prompt_lens, torch.int32)
+                     if any(c.start_pos < c.num_prompt_tokens for c in chunks) else None),
     )

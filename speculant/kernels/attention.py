@@ -19,6 +19,7 @@ def paged_attention(
     scale: float,
     *,
     native: bool | None = None,
+    prompt_lens: torch.Tensor | None = None,  # [S] int32 prompt length of each sequence
 ) -> torch.Tensor:
     """softmax(scale * q k^T) v per query token and head; returns [T, Hq, D] float32.
 
@@ -34,12 +35,17 @@ def paged_attention(
     bit, whatever else is in the batch or however many threads run it. `native=False` forces the
     PyTorch fallback, which runs on any device and is exact to fp32 rounding but, as its
     reductions are torch's, not guaranteed bit-identical across batch compositions.
+
+    `prompt_lens` marks prompt positions (a token at a position below its sequence's entry):
+    natively, with an fp16 cache on an AMX-BF16 CPU (`native.prompt_attention()`), their scores
+    run on bf16 tiles with split operands: within fp32 rounding of the fp32 path, not bit-identical
+    to it, still batch-invariant. Generated positions, and the fallback, ignore it.
     """
     op = None if native is False else _native_op(q, v_cache)
     if op is None and native:
         raise RuntimeError("native paged_attention requested but unavailable for these inputs")
     if op is not None:
-        return op(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale)
+        return op(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, prompt_lens)
     return _fallback(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale)
 
 

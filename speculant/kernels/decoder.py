@@ -60,9 +60,11 @@ def decoder_stack(
     eps: float,
     scale: float,
     hidden_rows: torch.Tensor | None = None,  # [H] int64 rows of h to return; None = all
+    prompt_lens: torch.Tensor | None = None,  # [S] int32 prompt lengths (paged_attention's)
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Runs every layer; returns final_norm(h) [T, hidden] and, for each of hidden_layers, a
     copy of h after that layer: [T, hidden], or [H, hidden] its rows `hidden_rows`."""
     return torch.ops.speculant.decoder_stack.default(
         h, stack.id, k_caches, v_caches, cos, sin, positions, slot_mapping, block_tables,
-        token_seq, token_pos, final_norm, hidden_layers, num_heads, eps, scale, hidden_rows)
+        token_seq, token_pos, final_norm, hidden_layers, num_heads, eps, scale, hidden_rows,
+        prompt_lens)

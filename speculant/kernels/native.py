@@ -42,11 +42,12 @@ CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off")
 LDFLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded (same soname)
 # csrc/avx512/*.cpp: compiled into objects of their own with these flags and linked in; only
 # called on CPUs that have the features (csrc/kernel_path.cpp). They include no torch headers.
-# The AMX flags only make the tile intrinsics available (linear_amx.cpp); the compiler never
-# emits tile instructions on its own, so the VNNI objects are unchanged by them.
+# The AMX and BF16 flags only make the tile and bf16 intrinsics available (linear_amx.cpp,
+# attention_amx.cpp); the compiler never emits those instructions from float code on its own,
+# so the VNNI objects are unchanged by them.
 AVX512_CFLAGS = ("-O3", "-std=c++17", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
                  "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
-                 "-mamx-int8")
+                 "-mamx-int8", "-mamx-bf16", "-mavx512bf16")
 # what kernel_path() reports when the native kernels are not in use
 FALLBACK_PATH = "torch"
 
@@ -74,6 +75,7 @@ def load_ops():
     _register_fakes()
     torch.ops.speculant.kernel_path()  # applies SPECULANT_KERNEL_PATH now: a bad value raises here
     torch.ops.speculant.weight_prefetch_blocks()  # and SPECULANT_PREFETCH_BLOCKS
+    torch.ops.speculant.prompt_attention()  # and SPECULANT_PROMPT_ATTENTION
     return torch.ops.speculant
 
 
@@ -103,6 +105,28 @@ def forced_prefetch_blocks(blocks: int):
         yield
     finally:
         ops.set_weight_prefetch_blocks(previous)
+
+
+def prompt_attention() -> str:
+    """What attention runs prompt positions on: "amx_bf16" (tiles: an AMX-BF16 CPU on the
+    amx_int8 path, unless SPECULANT_PROMPT_ATTENTION=fp32) or "fp32" (also without the native
+    kernels)."""
+    ops = load_ops()
+    return str(ops.prompt_attention()) if ops is not None else "fp32"
+
+
+@contextlib.contextmanager
+def forced_prompt_attention(mode: str):
+    """Runs the block with prompt attention `mode` ("auto" or "fp32"), then restores the
+    previous setting (tests and A/B measurements)."""
+    ops = load_ops()
+    if ops is None:
+        raise RuntimeError("prompt attention mode requested but the native kernels are unavailable")
+    previous = ops.set_prompt_attention(mode)
+    try:
+        yield
+    finally:
+        ops.set_prompt_attention(previous)
 
 
 def supported_kernel_paths() -> tuple[str, ...]:
@@ -216,7 +240,7 @@ def _register_fakes() -> None:
         return weight.new_empty(ids.shape[0], in_features, dtype=torch.float32)
 
     @torch.library.register_fake("speculant::paged_attention")
-    def _(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale):
+    def _(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale, prompt_lens=None):
         return torch.empty_like(q)
 
     @torch.library.register_fake("speculant::rms_norm")
@@ -249,7 +273,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("speculant::decoder_stack")
     def _(h, stack, k_caches, v_caches, cos, sin, positions, slot_mapping, block_tables,
           token_seq, token_pos, final_norm, hidden_layers, num_heads, eps, scale,
-          hidden_rows=None):
+          hidden_rows=None, prompt_lens=None):
         rows = h.shape[0] if hidden_rows is None else hidden_rows.shape[0]
         return torch.empty_like(h), [h.new_empty(rows, h.shape[1]) for _ in hidden_layers]
 

@@ -97,7 +97,8 @@ class Attention:
         write_kv(k_cache, v_cache, run.batch.slot_mapping, k, v)
         b = run.batch
         attn = paged_attention(q, k_cache, v_cache, b.block_tables, b.token_seq, run.token_pos,
-                               self.head_dim ** -0.5).reshape(num_tokens, -1)  # [T, H * hd]
+                               self.head_dim ** -0.5,
+                               prompt_lens=b.prompt_lens).reshape(num_tokens, -1)  # [T, H * hd]
         if self.gate is not None:
             attn = attn * torch.sigmoid(F.linear(x, self.gate))
         return F.linear(attn, self.o)

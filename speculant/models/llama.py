@@ -139,7 +139,8 @@ class Model:
             x, states = decoder_stack(
                 h, self._stack, cache.k, cache.v, self.rope_cos, self.rope_sin, batch.positions,
                 batch.slot_mapping, batch.block_tables, batch.token_seq, token_pos,
-                self.final_norm, wanted, c.num_heads, eps, self.attn_scale, batch.hidden_rows)
+                self.final_norm, wanted, c.num_heads, eps, self.attn_scale, batch.hidden_rows,
+                batch.prompt_lens)
             hidden = dict(zip(wanted, states))
         else:
             x, hidden = self._layers(h, batch, cache, token_pos, set(wanted))
@@ -161,7 +162,8 @@ class Model:
                               k_cache, v_cache, batch.slot_mapping, c.num_heads,
                               native=native)  # [T, heads, head_dim]
             attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.token_seq,
-                                   token_pos, self.attn_scale, native=native)
+                                   token_pos, self.attn_scale, native=native,
+                                   prompt_lens=batch.prompt_lens)
             o = layer.attn_output(attn.view(num_tokens, c.q_size), native=native)
             x = add_rms_norm(h, o, layer.ffn_norm, eps, native=native)
             # 2) MLP, its residual add fused with the next norm (next layer's, or the final one)

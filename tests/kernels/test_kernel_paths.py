@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from speculant.kernels import PackedLinear, native_available, paged_attention
-from speculant.kernels.native import (forced_kernel_path, forced_prefetch_blocks, kernel_path,
+from speculant.kernels.native import (forced_kernel_path, forced_prefetch_blocks,
+                                      forced_prompt_attention, kernel_path, prompt_attention,
                                       supported_kernel_paths, weight_prefetch_blocks)
 from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
 
@@ -308,9 +309,12 @@ def test_default_model_writes_the_same_text_on_every_path(default_engine):
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(max_tokens=32, temperature=0.0, spec=SpecParams(enabled=False))
     outputs = {}
-    for path in supported_kernel_paths():
-        with forced_kernel_path(path):
-            outputs[path] = [s.output_ids for s in decode_all(default_engine, prompts, params)]
+    # prompt attention on fp32 everywhere: the AMX-BF16 tiles change prompt positions' float
+    # order (tested on their own below)
+    with forced_prompt_attention("fp32"):
+        for path in supported_kernel_paths():
+            with forced_kernel_path(path):
+                outputs[path] = [s.output_ids for s in decode_all(default_engine, prompts, params)]
     assert all(ids == outputs["avx2"] for ids in outputs.values())
 
 
@@ -359,3 +363,154 @@ def test_bad_prefetch_distance_is_refused_by_name(value):
             with forced_prefetch_blocks(int(value)):
                 pass
     assert weight_prefetch_blocks() == before
+
+
+# ---- prompt attention on AMX-BF16 tiles ------------------------------------------------------
+
+def require_prompt_tiles() -> None:
+    if prompt_attention() != "amx_bf16":
+        pytest.skip("prompt attention runs on fp32 here (needs AMX-BF16 and AVX512_BF16 on the "
+                    "amx_int8 path)")
+
+
+def prompt_batch(head_dim: int, block_size: int, num_tokens: int, seed: int = 11):
+    """A prompt of num_tokens tokens from position 0 (three 256-position partitions at 600),
+    shuffled blocks, fp16 cache, GQA 9:3; queries scaled up so the softmax is peaked."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = (num_tokens + block_size - 1) // block_size + 3
+    k_cache = torch.randn(k_cache_shape(num_blocks, block_size, 3, head_dim), generator=g).half()
+    v_cache = torch.randn(v_cache_shape(num_blocks, block_size, 3, head_dim), generator=g).half()
+    tables = torch.randperm(num_blocks, generator=g).to(torch.int32)[None]
+    q = 2 * torch.randn(num_tokens, 9, head_dim, generator=g)
+    return (q, k_cache, v_cache, tables, torch.zeros(num_tokens, dtype=torch.int32),
+            torch.arange(num_tokens, dtype=torch.int32), head_dim ** -0.5)
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(64, 16), (64, 8), (128, 32), (96, 16)])
+def test_prompt_tiles_stay_within_fp32_rounding_of_the_exact_attention(head_dim, block_size):
+    """Split bf16 operands keep ~16 bits of each: every output within 1e-4 of fp64 attention
+    (fp32 loops: ~3e-6; unsplit bf16 would be ~1e-2), and not simply the fp32 path's bits."""
+    require_prompt_tiles()
+    from test_kernels import reference_attention
+
+    args = prompt_batch(head_dim, block_size, 600)
+    prompt_lens = torch.tensor([600], dtype=torch.int32)
+    tiles = paged_attention(*args, prompt_lens=prompt_lens)
+    assert (tiles.double() - reference_attention(*args)).abs().max().item() < 1e-4
+    assert not torch.equal(tiles, paged_attention(*args))
+
+
+def test_prompt_tiles_are_batch_invariant():
+    """A prompt token's output is bit-identical alone, in any subset, and in any run of the
+    batch: the tile rows and the queries beside it never change it."""
+    require_prompt_tiles()
+    q, k_cache, v_cache, tables, seq, pos, scale = prompt_batch(64, 16, 600)
+    prompt_lens = torch.tensor([600], dtype=torch.int32)
+    full = paged_attention(q, k_cache, v_cache, tables, seq, pos, scale, prompt_lens=prompt_lens)
+    for t in [0, 1, 15, 16, 63, 64, 255, 256, 300, 599]:
+        alone = paged_attention(q[t:t + 1], k_cache, v_cache, tables, seq[t:t + 1], pos[t:t + 1],
+                                scale, prompt_lens=prompt_lens)
+        assert torch.equal(bits(alone), bits(full[t:t + 1])), f"token {t}"
+    subset = torch.tensor([3, 77, 78, 79, 400, 401, 599])
+    part = paged_attention(q[subset], k_cache, v_cache, tables, seq[subset], pos[subset], scale,
+                           prompt_lens=prompt_lens)
+    assert torch.equal(bits(part), bits(full[subset]))
+    # and beside another sequence's decode token in one batch
+    both = paged_attention(torch.cat([q[:5], q[599:600]]), k_cache, v_cache, tables.repeat(2, 1),
+                           torch.tensor([0] * 5 + [1], dtype=torch.int32),
+                           torch.tensor([0, 1, 2, 3, 4, 599], dtype=torch.int32), scale,
+                           prompt_lens=torch.tensor([600, 0], dtype=torch.int32))
+    assert torch.equal(bits(both[:5]), bits(full[:5]))
+    assert torch.equal(bits(both[5:]), bits(paged_attention(
+        q[599:600], k_cache, v_cache, tables, seq[:1], pos[599:600], scale)))
+
+
+def test_generated_positions_keep_the_fp32_path():
+    """Positions at or past the prompt length (decode, verification, a recompute after a
+    preemption) take the fp32 path's bits whatever the batch holds; with
+    set_prompt_attention("fp32"), or an fp32 cache, prompt positions do too."""
+    require_prompt_tiles()
+    args = prompt_batch(64, 16, 600)
+    fp32 = paged_attention(*args)
+    tiles = paged_attention(*args, prompt_lens=torch.tensor([600], dtype=torch.int32))
+    mixed = paged_attention(*args, prompt_lens=torch.tensor([300], dtype=torch.int32))
+    assert torch.equal(bits(mixed[:300]), bits(tiles[:300]))
+    assert torch.equal(bits(mixed[300:]), bits(fp32[300:]))
+    with forced_prompt_attention("fp32"):
+        assert prompt_attention() == "fp32"
+        off = paged_attention(*args, prompt_lens=torch.tensor([600], dtype=torch.int32))
+    assert torch.equal(bits(off), bits(fp32))
+    q, k_cache, v_cache, tables, seq, pos, scale = args
+    full_args = (q, k_cache.float(), v_cache.float(), tables, seq, pos, scale)
+    assert torch.equal(bits(paged_attention(*full_args, prompt_lens=torch.tensor([600], dtype=torch.int32))),
+                       bits(paged_attention(*full_args)))
+
+
+def test_bad_prompt_lens_are_refused_by_name():
+    """prompt_lens must be int32 with one entry per sequence."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    args = prompt_batch(64, 16, 20)
+    with pytest.raises(RuntimeError, match="prompt_lens must be int32"):
+        torch.ops.speculant.paged_attention.default(*args, torch.tensor([20, 20], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="prompt_lens must be int32"):
+        torch.ops.speculant.paged_attention.default(*args, torch.tensor([20]))
+
+
+def test_bad_prompt_attention_variable_fails_at_load():
+    """A misspelt SPECULANT_PROMPT_ATTENTION stops the process with the variable named."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    env = {**os.environ, "SPECULANT_PROMPT_ATTENTION": "bf16"}
+    code = "from speculant.kernels.native import prompt_attention; print(prompt_attention())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "SPECULANT_PROMPT_ATTENTION=bf16" in done.stderr
+
+
+def test_prompt_tiles_keep_speculative_output_equal_to_plain(default_engine):
+    """With prompt positions on the tiles, greedy speculative decoding still writes plain
+    decoding's tokens (every generated position stays on the one fp32 path)."""
+    require_prompt_tiles()
+    from conftest import decode_all, dev_prompts
+    from speculant.engine.sampling_params import SamplingParams, SpecParams
+
+    tokenizer = default_engine.tokenizer
+    texts = [p.turns[0] for p in dev_prompts(["summarization", "code_edit"], 1)]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    plain = SamplingParams(max_tokens=48, temperature=0.0, spec=SpecParams(enabled=False))
+    spec = SamplingParams(max_tokens=48, temperature=0.0,
+                          spec=SpecParams(types=["ngram_mod", "suffix"]))
+    tiled = [s.output_ids for s in decode_all(default_engine, prompts, plain)]
+    assert [s.output_ids for s in decode_all(default_engine, prompts, spec)] == tiled
+
+
+def test_prompt_tiles_move_the_models_logits_less_than_the_fp16_cache_does(default_engine):
+    """The default model's logits over a real 1,000-token prompt: the tiles move them from the
+    fp32 prompt attention's less than the default fp16 KV cache moves those from an fp32
+    cache's (both are roundings that the int8 activation quantization of every layer then
+    amplifies), and the greedy picks mostly agree."""
+    require_prompt_tiles()
+    from conftest import dev_prompts
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+
+    model, tokenizer = default_engine.model, default_engine.tokenizer
+    text = dev_prompts(["summarization"], 1)[0].turns[0]
+    ids = tokenizer.encode(text)[:1000]
+
+    def prompt_logits(mode: str, cache_dtype: torch.dtype) -> torch.Tensor:
+        cache = model.new_kv_cache(len(ids) // 16 + 2, 16, cache_dtype)
+        cache.allocate(0)
+        chunk = SeqChunk(0, 0, ids, num_logits=len(ids), num_prompt_tokens=len(ids))
+        with forced_prompt_attention(mode):
+            return model.forward(build_forward_batch(cache, [chunk]), cache).logits
+
+    tiles = prompt_logits("auto", torch.float16)
+    fp32_attention = prompt_logits("fp32", torch.float16)
+    fp32_cache = prompt_logits("auto", torch.float32)  # an fp32 cache never takes the tiles
+    tiles_gap = (tiles - fp32_attention).abs().mean().item()
+    cache_gap = (fp32_attention - fp32_cache).abs().mean().item()
+    same = (tiles.argmax(-1) == fp32_attention.argmax(-1)).float().mean().item()
+    print(f"mean gap: tiles {tiles_gap:.4f}, fp16 cache {cache_gap:.4f}; same argmax {same:.4f}")
+    assert 0 < tiles_gap < cache_gap
+    assert same > 0.9

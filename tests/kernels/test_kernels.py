@@ -406,7 +406,7 @@ def test_native_ops_compile_fullgraph():
 
     def run(fn):
         x, h = torch.randn(6, 576, generator=torch.Generator().manual_seed(1)), torch.ones(6, 576)
-        caches = torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16)
+        caches = torch.zeros(k_cache_shape(8, 4, 2, 16)), torch.zeros(v_cache_shape(8, 4, 2, 16))
         return [*fn(x, args[0], h, *caches), h, *caches]
 
     eager, compiled = run(step), run(torch.compile(step, fullgraph=True))

@@ -54,6 +54,12 @@ namespace {
 // K chunk serves all its queries: 16 tokens' prefill attention took 8% less time than 8 tokens'
 // (Xeon AMX, a 3072-token prompt in 512-token chunks, interleaved; AVX2 unchanged).
 constexpr int64_t kRunTokens = 16;
+// Runs of prompt tokens on the AMX-BF16 tiles are longer: their K and V are converted to the
+// tiles' layout once per run and partition, for all its queries.
+#ifndef SPECULANT_TILE_RUN
+#define SPECULANT_TILE_RUN 64
+#endif
+constexpr int64_t kTileRunTokens = SPECULANT_TILE_RUN;
 // Positions per partition: the softmax runs over fixed partitions [i * kPartition, ...) of every
 // token's positions, merged at the end, so a long context splits between threads without the
 // result depending on the split (a multiple of 8).
@@ -79,11 +85,21 @@ struct Problem {
   int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   float scale;
   bool wide;  // the 512-bit inner loops (attention_wide.h)
+  // [S] prompt length of each sequence, or null: a token at a position below it is a prompt
+  // position, attended on AMX-BF16 tiles (tiles is set only for fp16 caches where
+  // prompt_attention_tiles() holds and head_dim suits them)
+  const int32_t* prompt_lens;
+  bool tiles;
+  bool prompt_token(int64_t t) const {
+    return tiles && pos[t] < prompt_lens[seq[t]];
+  }
 };
 
-// Tokens [t0, t1) of one sequence, query heads [h0, h1) of KV head kvh's group (0-based in it).
+// Tokens [t0, t1) of one sequence, query heads [h0, h1) of KV head kvh's group (0-based in it);
+// tiles: they are prompt positions whose scores run on AMX-BF16 tiles.
 struct Unit {
   int64_t t0, t1, kvh, h0, h1;
+  bool tiles = false;
 };
 
 // Per-thread scratch, reused across units and calls.
@@ -349,6 +365,35 @@ void values_wide(const Problem<KV>& pb, const Unit& u, int64_t part, float* scor
   }
 }
 
+// AMX-BF16 path (prompt positions): the softmax numerators of every query of the unit, then
+// their value sums on the tiles (attention_wide.h).
+template <typename KV>
+void values_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, float* scores,
+                  int64_t stride, int64_t n_max, Scratch<KV>& sc, const Partials& out) {
+  const int64_t D = pb.head_dim, group = pb.num_heads / pb.num_kv_heads, heads = u.h1 - u.h0;
+  const int64_t p_begin = part * kPartition;
+  sc.probs.clear();
+  sc.lengths.clear();
+  sc.value_sums.clear();
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
+    if (n <= 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores + ((t - u.t0) * heads + h) * stride;
+      const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h);
+      out.sum[e] = attention_softmax_avx512(s, n, &out.max[e]);
+      sc.probs.push_back(s);
+      sc.lengths.push_back(n);
+      sc.value_sums.push_back(out.acc + e * D);
+    }
+  }
+  if constexpr (std::is_same_v<KV, uint16_t>) {
+    attention_values_amx_bf16(sc.probs.data(), sc.lengths.data(),
+                              static_cast<int64_t>(sc.probs.size()), sc.v_rows.data(), n_max, D,
+                              sc.value_sums.data());
+  }
+}
+
 // Positions [part * kPartition, ...) of the unit's queries (token t attends to 0..pos[t]): the
 // scores of every query, chunk by chunk (each chunk's K rows come from memory once and serve
 // every query of the unit); then per token its heads' softmax numerators and exp-weighted value
@@ -367,7 +412,8 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
   const int64_t n_max = p_end - p_begin;
   if (n_max <= 0) return;
   const int64_t num_queries = (u.t1 - u.t0) * heads;
-  const int64_t stride = (n_max + 7) / 8 * 8;  // one query's scores in the scratch
+  // one query's scores in the scratch (whole 16-position tiles on the AMX-BF16 path)
+  const int64_t stride = u.tiles ? (n_max + 15) / 16 * 16 : (n_max + 7) / 8 * 8;
   gather_rows(pb, pb.tables + pb.seq[u.t0] * pb.max_blocks, u.kvh, p_begin, p_end, sc);
   sc.scores.resize(num_queries * stride);
   float* scores = sc.scores.data();
@@ -381,7 +427,15 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
       sc.q_last[j] = pb.pos[t] - p_begin;
     }
   }
-  const int64_t num_vec = stride / 8, BS = pb.block_size;
+  const int64_t num_vec = (n_max + 7) / 8, BS = pb.block_size;
+  if constexpr (std::is_same_v<KV, uint16_t>) {
+    if (u.tiles) {
+      attention_scores_amx_bf16(sc.q_rows.data(), scores, stride, num_queries, sc.k_vecs.data(),
+                                num_vec, BS, D, pb.scale);
+      values_tiles(pb, u, part, scores, stride, n_max, sc, out);
+      return;
+    }
+  }
   auto prefetch_pass = [&](int64_t v0) {
     for (int64_t i = v0; i < std::min(v0 + kScorePass, num_vec); ++i) {
       prefetch_k_vector(sc.k_vecs[i], i > 0 ? sc.k_vecs[i - 1] : nullptr, D, BS);
@@ -475,9 +529,14 @@ template <typename KV>
 std::vector<Unit> make_runs(const Problem<KV>& pb, int64_t T) {
   std::vector<Unit> runs;
   for (int64_t t0 = 0; t0 < T;) {
+    const bool tiles = pb.prompt_token(t0);
     int64_t t1 = t0 + 1;
-    while (t1 < T && t1 - t0 < kRunTokens && pb.seq[t1] == pb.seq[t0]) ++t1;
-    runs.push_back({t0, t1, 0, 0, 0});
+    const int64_t longest = tiles ? kTileRunTokens : kRunTokens;
+    while (t1 < T && t1 - t0 < longest && pb.seq[t1] == pb.seq[t0] &&
+           pb.prompt_token(t1) == tiles) {
+      ++t1;
+    }
+    runs.push_back({t0, t1, 0, 0, 0, tiles});
     t0 = t1;
   }
   return runs;
@@ -497,7 +556,7 @@ std::vector<Unit> make_units(const Problem<KV>& pb, const std::vector<Unit>& run
   for (auto r = runs.rbegin(); r != runs.rend(); ++r) {
     for (int64_t kvh = 0; kvh < pb.num_kv_heads; ++kvh) {
       for (int64_t h0 = 0; h0 < group; h0 += slice) {
-        units.push_back({r->t0, r->t1, kvh, h0, std::min(group, h0 + slice)});
+        units.push_back({r->t0, r->t1, kvh, h0, std::min(group, h0 + slice), r->tiles});
       }
     }
   }
@@ -522,7 +581,7 @@ void attend_split(const Problem<KV>& pb, const std::vector<Unit>& runs, int64_t 
   for (auto r = runs.rbegin(); r != runs.rend(); ++r) {
     for (int64_t part = max_partitions(pb, r->t0, r->t1) - 1; part >= 0; --part) {
       for (int64_t kvh = 0; kvh < pb.num_kv_heads; ++kvh) {
-        work.push_back({{r->t0, r->t1, kvh, 0, Hq / pb.num_kv_heads}, part});
+        work.push_back({{r->t0, r->t1, kvh, 0, Hq / pb.num_kv_heads, r->tiles}, part});
       }
     }
   }
@@ -589,7 +648,8 @@ const KV* cache_data(const at::Tensor& t) {
 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                            const at::Tensor& tables_in, const at::Tensor& seq_in,
-                           const at::Tensor& pos_in, double scale) {
+                           const at::Tensor& pos_in, double scale,
+                           const std::optional<at::Tensor>& prompt_lens_in) {
   for (const at::Tensor* t : {&q_in, &k_in, &v_in, &tables_in, &seq_in, &pos_in}) {
     check(t->device().is_cpu(), "all tensors must be on the CPU");
   }
@@ -618,6 +678,16 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   check(block_size % 8 == 0 && kPartition % block_size == 0,
         "block_size must be a multiple of 8 that divides 256");
 
+  at::Tensor prompt_lens;
+  if (prompt_lens_in) {
+    prompt_lens = prompt_lens_in->contiguous();
+    check(prompt_lens.device().is_cpu() && prompt_lens.scalar_type() == at::kInt &&
+              prompt_lens.dim() == 1 && prompt_lens.numel() == S,
+          "prompt_lens must be int32 [S], one entry per row of block_tables");
+  }
+  const bool wide = wide_attention(active_kernel_path());
+  const bool tiles = prompt_lens.defined() && half && D % 32 == 0 && D <= 128 && wide &&
+                     prompt_attention_tiles();
   at::Tensor out = at::empty(q.sizes(), q.options());
   auto run = [&](auto kv_type) {
     using KV = decltype(kv_type);
@@ -625,7 +695,8 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
                          cache_data<KV>(v_cache), block_tables.const_data_ptr<int32_t>(),
                          token_seq.const_data_ptr<int32_t>(), token_pos.const_data_ptr<int32_t>(),
                          out.data_ptr<float>(), Hq, Hkv, D, block_size, max_blocks,
-                         static_cast<float>(scale), wide_attention(active_kernel_path())};
+                         static_cast<float>(scale), wide,
+                         tiles ? prompt_lens.const_data_ptr<int32_t>() : nullptr, tiles};
     attend(pb, T, S, num_blocks);
   };
   if (half) {

@@ -104,7 +104,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
     const at::Tensor& token_pos, const at::Tensor& final_norm, at::IntArrayRef hidden_layers,
-    int64_t num_heads, double eps, double scale, const std::optional<at::Tensor>& hidden_rows) {
+    int64_t num_heads, double eps, double scale, const std::optional<at::Tensor>& hidden_rows,
+    const std::optional<at::Tensor>& prompt_lens) {
   const std::shared_ptr<const Stack> stack = find_stack(stack_id);
   const Stack& w = *stack;
   const int64_t num_layers = w.num_layers;
@@ -122,7 +123,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
                                        eps, cos, sin, positions, k_caches[l], v_caches[l],
                                        slot_mapping, num_heads);
     const at::Tensor attn = paged_attention(q, k_caches[l], v_caches[l], block_tables, token_seq,
-                                            token_pos, scale);
+                                            token_pos, scale, prompt_lens);
     x = add_rms_norm(h, w.linear(attn.view({T, -1}), l, 1), w.get(l, kFfnNorm), eps);
     // 2) MLP, its residual add fused with the next norm (next layer's, or the final one)
     const at::Tensor down = w.linear(silu_mul(w.linear(x, l, 2)), l, 3);

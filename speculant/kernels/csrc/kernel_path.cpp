@@ -54,6 +54,16 @@ bool has_amx_int8() {
   return tile && int8 && amx_permitted();
 }
 
+// AMX-BF16 is CPUID leaf 7 EDX bit 22, AVX512_BF16 leaf 7 subleaf 1 EAX bit 5 (the bf16
+// conversions that split prompt-attention operands, avx512/attention_amx.cpp).
+bool has_amx_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!has_amx_int8() || !__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+  const bool tile_bf16 = (edx >> 22) & 1u;
+  if (!__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  return tile_bf16 && ((eax >> 5) & 1u);
+}
+
 // In increasing order of preference: "auto" picks the last one the CPU supports.
 constexpr PathInfo kKernelPaths[] = {
     {KernelPath::kAvx2, "avx2", "avx2 fma f16c", has_avx2, false},
@@ -129,6 +139,18 @@ int64_t prefetch_blocks_from_env() {
 
 std::atomic<int64_t> prefetch_blocks{kUnset};  // kUnset until first use
 
+// SPECULANT_PROMPT_ATTENTION: "auto" (tiles where the CPU has them) or "fp32".
+bool prompt_tiles_from_env() {
+  const char* env = std::getenv("SPECULANT_PROMPT_ATTENTION");
+  const std::string_view mode = env != nullptr && *env != '\0' ? env : "auto";
+  TORCH_CHECK(mode == "auto" || mode == "fp32", "SPECULANT_PROMPT_ATTENTION=", mode,
+              ": expected auto (AMX-BF16 tiles for prompt positions where the CPU has them) or "
+              "fp32");
+  return mode == "auto";
+}
+
+std::atomic<int> prompt_tiles_wanted{kUnset};  // 0 / 1, kUnset until first use
+
 }  // namespace
 
 KernelPath active_kernel_path() {
@@ -170,6 +192,28 @@ int64_t set_weight_prefetch_blocks(int64_t blocks) {
   const int64_t previous = weight_prefetch_blocks();
   prefetch_blocks.store(blocks, std::memory_order_relaxed);
   return previous;
+}
+
+bool prompt_attention_tiles() {
+  int wanted = prompt_tiles_wanted.load(std::memory_order_relaxed);
+  if (wanted == kUnset) {
+    int expected = kUnset;  // a bad variable throws here, and at every later call
+    prompt_tiles_wanted.compare_exchange_strong(expected, prompt_tiles_from_env() ? 1 : 0);
+    wanted = prompt_tiles_wanted.load(std::memory_order_relaxed);
+  }
+  static const bool available = has_amx_bf16();
+  return wanted == 1 && available && active_kernel_path() == KernelPath::kAmxInt8;
+}
+
+std::string prompt_attention() { return prompt_attention_tiles() ? "amx_bf16" : "fp32"; }
+
+std::string set_prompt_attention(const std::string& mode) {
+  TORCH_CHECK(mode == "auto" || mode == "fp32", "set_prompt_attention(", mode,
+              "): expected auto or fp32");
+  prompt_attention_tiles();  // reads the variable first, if nothing has yet
+  const bool was_auto = prompt_tiles_wanted.load(std::memory_order_relaxed) == 1;
+  prompt_tiles_wanted.store(mode == "auto" ? 1 : 0, std::memory_order_relaxed);
+  return was_auto ? "auto" : "fp32";
 }
 
 std::string set_kernel_path(const std::string& name) {

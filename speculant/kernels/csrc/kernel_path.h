@@ -21,6 +21,13 @@ KernelPath active_kernel_path();
 // Whether `path` runs attention's inner loops with 512-bit vectors (attention_wide.h).
 bool wide_attention(KernelPath path);
 
+// Whether attention runs the query rows of prompt positions on AMX-BF16 tiles (avx512/
+// attention_amx.cpp): on the amx_int8 path of a CPU with AMX-BF16 and AVX512_BF16, unless
+// SPECULANT_PROMPT_ATTENTION=fp32 (read on first use; a bad value throws) or
+// set_prompt_attention("fp32"). Changes prompt positions' float order (not bit-identical to
+// the other paths); generated positions always take the fp32 path.
+bool prompt_attention_tiles();
+
 // How many weight blocks ahead the AVX-512 VNNI kernels request into L1 (0: none), chosen once per
 // process from the CPU (or SPECULANT_PREFETCH_BLOCKS, 0-64): a matter of the CPU's hardware
 // prefetchers, not of its instruction set. Measured on 2-core KVM guests (whole target forwards,
@@ -34,6 +41,10 @@ int64_t weight_prefetch_blocks();
 std::string kernel_path();
 std::vector<std::string> kernel_paths();
 std::string set_kernel_path(const std::string& name);
+// prompt_attention(): "amx_bf16" or "fp32", what prompt positions run on now;
+// set_prompt_attention("auto" or "fp32") -> the previous setting ("auto" or "fp32").
+std::string prompt_attention();
+std::string set_prompt_attention(const std::string& mode);
 // set_weight_prefetch_blocks(n, 0-64) -> the previous value (tests and A/B measurements).
 int64_t set_weight_prefetch_blocks(int64_t blocks);
 

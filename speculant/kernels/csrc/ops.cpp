@@ -14,7 +14,7 @@ TORCH_LIBRARY(speculant, m) {
       "int out_features) -> Tensor");
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor token_seq, Tensor token_pos, float scale) -> Tensor");
+      "Tensor token_seq, Tensor token_pos, float scale, Tensor? prompt_lens=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) h, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -33,13 +33,16 @@ TORCH_LIBRARY(speculant, m) {
   m.def("kernel_paths() -> str[]", &speculant::kernel_paths);
   m.def("set_kernel_path(str path) -> str", &speculant::set_kernel_path);
   m.def("weight_prefetch_blocks() -> int", &speculant::weight_prefetch_blocks);
+  m.def("prompt_attention() -> str", &speculant::prompt_attention);
+  m.def("set_prompt_attention(str mode) -> str", &speculant::set_prompt_attention);
   m.def("set_weight_prefetch_blocks(int blocks) -> int", &speculant::set_weight_prefetch_blocks);
   m.def("decoder_stack_release(int stack) -> ()", &speculant::decoder_stack_release);
   m.def(
       "decoder_stack(Tensor(a!) h, int stack, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "
       "Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
       "Tensor token_seq, Tensor token_pos, Tensor final_norm, int[] hidden_layers, "
-      "int num_heads, float eps, float scale, Tensor? hidden_rows=None) -> (Tensor, Tensor[])");
+      "int num_heads, float eps, float scale, Tensor? hidden_rows=None, Tensor? prompt_lens=None) "
+      "-> (Tensor, Tensor[])");
   m.def(
       "eagle3_layer(Tensor embeds, Tensor hidden, Tensor?[] weights, int[] qtypes, "
       "int[] out_features, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "

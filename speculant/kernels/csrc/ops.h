@@ -51,10 +51,12 @@ at::Tensor packed_embed(const at::Tensor& ids, const at::Tensor& weight,
                         int64_t out_features);
 
 // Causal attention of each query token over its own sequence's paged K/V (see attention.cpp).
+// prompt_lens [S] int32 (optional): a token at a position below its sequence's entry is a
+// prompt position, which may run on AMX-BF16 tiles (kernel_path.h, prompt_attention_tiles).
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables,
                            const at::Tensor& token_seq, const at::Tensor& token_pos,
-                           double scale);
+                           double scale, const std::optional<at::Tensor>& prompt_lens = {});
 
 // x [T, D] -> weight * x / sqrt(mean(x^2) + eps), row by row (rowwise.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -91,7 +93,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
     const at::Tensor& token_pos, const at::Tensor& final_norm, at::IntArrayRef hidden_layers,
     int64_t num_heads, double eps, double scale,
-    const std::optional<at::Tensor>& hidden_rows = std::nullopt);
+    const std::optional<at::Tensor>& hidden_rows = std::nullopt,
+    const std::optional<at::Tensor>& prompt_lens = std::nullopt);
 
 // An EAGLE-3 head's decoder layer on the operators above (head_layer.cpp): embeds and hidden
 // [T, hidden] -> the layer's output [T, hidden] (K/V written at slot_mapping), and the LM
