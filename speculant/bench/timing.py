@@ -145,15 +145,16 @@ def machine_info(threads: int) -> dict:
     """What the README's table needs to say where it was measured. `kernel_path`: the path the
     CPU linear kernels ran on ("avx2", "avx512_vnni", "amx_int8"; "torch" for the PyTorch
     fallback); `prefetch_blocks`: how far ahead the VNNI kernels prefetched weights (None
-    without the native kernels)."""
+    without the native kernels); `prompt_attention`: what prompt positions were attended on
+    ("amx_bf16" tiles or "fp32")."""
     import torch
 
-    from speculant.kernels.native import kernel_path, weight_prefetch_blocks
+    from speculant.kernels.native import kernel_path, prompt_attention, weight_prefetch_blocks
 
     return {"cpu": _cpu_model(), "num_cpus": os.cpu_count() or 0, "threads": threads,
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "kernel_path": kernel_path(),
-            "prefetch_blocks": weight_prefetch_blocks()}
+            "prefetch_blocks": weight_prefetch_blocks(), "prompt_attention": prompt_attention()}
 
 
 def _cpu_model() -> str:

@@ -117,10 +117,11 @@ def _compare(llm, dtype: str, ids: list[list[int]], refs: list[tuple], max_token
                         round(sum(prefixes) / len(prefixes), 1) if prefixes else 0.0)
 
 
-def prompt_logits(model, ids: list[int], kv_dtype=None):
+def prompt_logits(model, ids: list[int], kv_dtype=None, num_prompt_tokens: int | None = None):
     """Our logits at every position of `ids` [T, V], in a KV cache of their own (float32, or
     kv_dtype: an engine's gives, row for row, the logits its own steps compute, the kernels
-    being batch-invariant)."""
+    being batch-invariant). The first `num_prompt_tokens` (all by default) run as the engine
+    runs a prompt, the rest as generated positions (kernels/attention.py)."""
     import torch
 
     from speculant.engine.forward_batch import SeqChunk, build_forward_batch
@@ -129,7 +130,9 @@ def prompt_logits(model, ids: list[int], kv_dtype=None):
     cache = model.new_kv_cache(num_blocks=len(ids) // block_size + 1, block_size=block_size,
                                dtype=kv_dtype or torch.float32)
     cache.allocate(0)
-    batch = build_forward_batch(cache, [SeqChunk(0, 0, ids, num_logits=len(ids))])
+    num_prompt = len(ids) if num_prompt_tokens is None else num_prompt_tokens
+    batch = build_forward_batch(cache, [SeqChunk(0, 0, ids, num_logits=len(ids),
+                                                 num_prompt_tokens=num_prompt)])
     return model.forward(batch, cache).logits
 
 

@@ -404,11 +404,13 @@ class Engine:
             if self._n_max(seq.params) == 0:  # plain this step (the tuner's or the request's)
                 if shadow and seq.params.spec.n_max is None:  # the tuner's: a shadow round
                     watched.append(DraftRequest(seq.seq_id, seq.token_ids,
-                                                self._draft_params(seq, self.config.spec_n_max)))
+                                                self._draft_params(seq, self.config.spec_n_max),
+                                                num_prompt_tokens=seq.num_prompt))
                 continue
             params = self._draft_params(seq)
             if params.n_max > 0:
-                requests.append(DraftRequest(seq.seq_id, seq.token_ids, params, _draws(seq)))
+                requests.append(DraftRequest(seq.seq_id, seq.token_ids, params, _draws(seq),
+                                             seq.num_prompt))
         if watched:
             self._shadow(watched)
         if not requests:

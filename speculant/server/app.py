@@ -82,11 +82,13 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        from speculant.kernels.native import kernel_path, weight_prefetch_blocks
+        from speculant.kernels.native import (kernel_path, prompt_attention,
+                                              weight_prefetch_blocks)
 
         log.info("CPU kernel path: %s (SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8 "
-                 "forces one), weight prefetch %s blocks ahead (SPECULANT_PREFETCH_BLOCKS)",
-                 kernel_path(), weight_prefetch_blocks())
+                 "forces one), weight prefetch %s blocks ahead (SPECULANT_PREFETCH_BLOCKS), "
+                 "prompt attention %s (SPECULANT_PROMPT_ATTENTION=auto|fp32)",
+                 kernel_path(), weight_prefetch_blocks(), prompt_attention())
         state.loop.start()
         try:
             yield

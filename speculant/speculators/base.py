@@ -103,13 +103,15 @@ class DraftRequest:
     element the token the target sampled most recently (not yet in the target's KV cache).
     The draft continues after `token_ids[-1]`. Read-only: speculators must not mutate it.
     `draws`: how the target will sample the draft's positions (None when it verifies greedily
-    or by rejection sampling).
+    or by rejection sampling). `num_prompt_tokens`: how many of `token_ids` are the prompt (a
+    draft model runs its prompt positions the way the target does: kernels/attention.py).
     """
 
     seq_id: int
     token_ids: list[int]
     params: DraftParams
     draws: TargetDraws | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -422,7 +422,7 @@ class SpeculatorChain:
                     p_min_run=max(r.params.p_min_run, run_floor), context_tokens=window,
                     further_cost=max(r.params.further_cost, further_cost),
                     survival=None if cal is None else Survival(cal, state.calib[name].scale)),
-                    r.draws))
+                    r.draws, r.num_prompt_tokens))
         return out
 
     def _revival_cost(self, name: str, seq_id: int, seconds_per_token: float) -> float:

@@ -222,9 +222,12 @@ class DraftModelSpeculator(Speculator):
     def _catch_up_chunk(self, r: DraftRequest) -> SeqChunk:
         cached = self._cached[r.seq_id]
         pending = r.token_ids[self._offset[r.seq_id] + len(cached):]
+        # the prompt's positions in the draft cache (which may start later in the history)
+        num_prompt = max(0, r.num_prompt_tokens - self._offset[r.seq_id])
         if len(pending) > self.config.max_chunk_tokens:  # too long for one round: no logits yet
-            return SeqChunk(r.seq_id, len(cached), pending[:self.config.max_chunk_tokens], 0)
-        return SeqChunk(r.seq_id, len(cached), pending, 1)
+            return SeqChunk(r.seq_id, len(cached), pending[:self.config.max_chunk_tokens], 0,
+                            num_prompt_tokens=num_prompt)
+        return SeqChunk(r.seq_id, len(cached), pending, 1, num_prompt_tokens=num_prompt)
 
     def _forward(self, chunks: list[SeqChunk]) -> list[torch.Tensor | None] | None:
         """One batched draft forward; per chunk its logits row [vocab] (None if it asked for

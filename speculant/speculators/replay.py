@@ -73,7 +73,8 @@ def replay_record(spec: Speculator, prompt_ids: list[int], output_ids: list[int]
             room = len(output_ids) - done - 1  # leave the last token to the target
             n_max = min(params.n_max, room)
             step_params = DraftParams(n_max, min(params.n_min, n_max), params.p_min)
-            draft = spec.draft([DraftRequest(seq_id, list(history), step_params)]).get(seq_id)
+            draft = spec.draft([DraftRequest(seq_id, list(history), step_params,
+                                             num_prompt_tokens=len(prompt_ids))]).get(seq_id)
             num_acc = 0
             if draft is not None and len(draft) > 0:
                 draft_ids = draft.token_ids[:step_params.n_max]

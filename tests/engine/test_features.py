@@ -5,6 +5,7 @@ import torch
 from conftest import TEST_THREADS
 from speculant.engine.engine import Engine
 from speculant.engine.sampling_params import SamplingParams, SpecParams
+from speculant.kernels.native import forced_prompt_attention
 from speculant.speculators.base import Draft, Speculator
 from speculant.speculators.registry import register, unregister
 
@@ -57,8 +58,14 @@ def prefill_features(engine, token_ids):
 
 def test_speculative_decode_features_equal_a_fresh_prefill(default_engine):
     """Features kept while decoding with drafts (rejected rows dropped) are bit-identical to
-    those of one prefill over prompt + output: one row per processed token, none extra."""
-    engine = default_engine
+    those of one prefill over prompt + output: one row per processed token, none extra. (With
+    fp32 prompt attention: on AMX-BF16 tiles the fresh prefill's output positions would be
+    prompt positions, attended in another float order.)"""
+    with forced_prompt_attention("fp32"):
+        check_decode_features_equal_a_fresh_prefill(default_engine)
+
+
+def check_decode_features_equal_a_fresh_prefill(engine):
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": COPY_PROMPT}])
     seq = engine.add_request(prompt, SamplingParams(max_tokens=48, temperature=0.0),
                              hidden_layers=LAYERS)

@@ -23,11 +23,12 @@ def top_k_probs(logits: torch.Tensor) -> torch.Tensor:
 
 def exact_joint(model, prompt_ids: list[int], kv_dtype: torch.dtype) -> dict[tuple[int, int], float]:
     """P(x_P = a, x_P+1 = b) of plain sampling, from the target's logits (with the engine's cache
-    dtype they are, bit for bit, the logits the engine samples from)."""
+    dtype and a marking the end of the prompt they are, bit for bit, the logits the engine
+    samples from)."""
     p0 = top_k_probs(prompt_logits(model, prompt_ids, kv_dtype)[-1])
     joint = {}
     for a in p0.nonzero().flatten().tolist():
-        p1 = top_k_probs(prompt_logits(model, prompt_ids + [a], kv_dtype)[-1])
+        p1 = top_k_probs(prompt_logits(model, prompt_ids + [a], kv_dtype, len(prompt_ids))[-1])
         for b in p1.nonzero().flatten().tolist():
             joint[(a, b)] = float(p0[a] * p1[b])
     return joint
