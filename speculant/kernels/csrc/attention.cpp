@@ -117,6 +117,7 @@ struct Scratch {
   std::vector<const float*> probs;           // wide path: [queries] softmax numerators
   std::vector<int64_t> lengths;              // wide path: [queries] positions read here
   std::vector<float*> value_sums;            // wide path: [queries] where the sums go
+  std::vector<float*> maxes, sums;           // tile path: [queries] where max / sum go
 };
 
 // V row pointers of positions [p_begin, p_end) for KV head kvh (entry 0 = p_begin), and K
@@ -365,8 +366,8 @@ void values_wide(const Problem<KV>& pb, const Unit& u, int64_t part, float* scor
   }
 }
 
-// AMX-BF16 path (prompt positions): the softmax numerators of every query of the unit, then
-// their value sums on the tiles (attention_wide.h).
+// AMX-BF16 path (prompt positions): the softmax numerators and value sums of every query of the
+// unit in one call (attention_wide.h), their partials straight into `out`.
 template <typename KV>
 void values_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, float* scores,
                   int64_t stride, int64_t n_max, Scratch<KV>& sc, const Partials& out) {
@@ -375,22 +376,25 @@ void values_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, float* sco
   sc.probs.clear();
   sc.lengths.clear();
   sc.value_sums.clear();
+  sc.maxes.clear();
+  sc.sums.clear();
   for (int64_t t = u.t0; t < u.t1; ++t) {
     const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
     if (n <= 0) continue;
     for (int64_t h = 0; h < heads; ++h) {
-      float* s = scores + ((t - u.t0) * heads + h) * stride;
       const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h);
-      out.sum[e] = attention_softmax_avx512(s, n, &out.max[e]);
-      sc.probs.push_back(s);
+      sc.probs.push_back(scores + ((t - u.t0) * heads + h) * stride);
       sc.lengths.push_back(n);
       sc.value_sums.push_back(out.acc + e * D);
+      sc.maxes.push_back(out.max + e);
+      sc.sums.push_back(out.sum + e);
     }
   }
   if constexpr (std::is_same_v<KV, uint16_t>) {
-    attention_values_amx_bf16(sc.probs.data(), sc.lengths.data(),
-                              static_cast<int64_t>(sc.probs.size()), sc.v_rows.data(), n_max, D,
-                              sc.value_sums.data());
+    attention_softmax_values_amx_bf16(sc.probs.data(), sc.lengths.data(),
+                                      static_cast<int64_t>(sc.probs.size()), sc.v_rows.data(),
+                                      n_max, D, sc.value_sums.data(), sc.maxes.data(),
+                                      sc.sums.data());
   }
 }
 

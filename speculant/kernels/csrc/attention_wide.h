@@ -44,11 +44,14 @@ bool attention_scores_amx_bf16(const float* const* q_rows, float* scores, int64_
                                int64_t num_queries, const uint16_t* const* k8, int64_t num_vec8,
                                int64_t stride, int64_t D, float scale);
 
-// AMX-BF16 value sums: for each query j, outs[j][d] = sum over p < lengths[j] of probs[j][p] *
-// v_rows[p][d] (fp16 V rows, positions < n_max), all D features (a multiple of 16), P and V split
-// as above and summed on the tiles in position order. Returns false for another head_dim.
-bool attention_values_amx_bf16(const float* const* probs, const int64_t* lengths,
-                               int64_t num_queries, const uint16_t* const* v_rows, int64_t n_max,
-                               int64_t D, float* const* outs);
+// AMX-BF16 softmax and value sums: for each query j, over its scores[j][p], p < lengths[j]:
+// *maxes[j] = their max, *sums[j] = the sum of e_p = exp(s_p - max) (16 lanes in position
+// order, then reduced), outs[j][d] = sum_p e_p * v_rows[p][d] (fp16 V rows, positions < n_max),
+// all D features (a multiple of 16), e and V split as above and summed on the tiles in position
+// order. Returns false, computing nothing, for another head_dim.
+bool attention_softmax_values_amx_bf16(const float* const* scores, const int64_t* lengths,
+                                       int64_t num_queries, const uint16_t* const* v_rows,
+                                       int64_t n_max, int64_t D, float* const* outs,
+                                       float* const* maxes, float* const* sums);
 
 }  // namespace speculant

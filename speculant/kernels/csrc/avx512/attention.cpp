@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "../attention_wide.h"
+#include "exp16.h"
 
 namespace speculant {
 namespace {
@@ -131,28 +132,6 @@ void scores_any(const float* const* q_rows, float* const* dst, int64_t num_queri
       default: scores_queries<1>(q, k8, num_vec8, stride, D, scale, out); break;
     }
   }
-}
-
-// simd.h's exp8 (Cephes' polynomial) on 16 lanes, same constants, same operations per lane.
-inline __m512 exp16(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.0f);
-  const __mmask16 in_range = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
-  x = _mm512_max_ps(x, lowest);
-  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
-  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
-  return _mm512_maskz_mov_ps(in_range, y);
 }
 
 // simd.h's hsum: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
@@ -286,13 +265,13 @@ float attention_softmax_avx512(float* s, int64_t L, float* max_out) {
   const __m512 m = _mm512_set1_ps(*max_out);
   __m256 vsum = _mm256_setzero_ps();
   for (p = 0; p + 16 <= L8; p += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), m));
+    const __m512 e = avx512::exp16(_mm512_sub_ps(_mm512_loadu_ps(s + p), m));
     _mm512_storeu_ps(s + p, e);
     vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
     vsum = _mm256_add_ps(vsum, upper_half(e));
   }
   if (p < L8) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_infs, low8, s + p), m));
+    const __m512 e = avx512::exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_infs, low8, s + p), m));
     _mm512_mask_storeu_ps(s + p, low8, e);
     vsum = _mm256_add_ps(vsum, _mm512_castps512_ps256(e));
   }

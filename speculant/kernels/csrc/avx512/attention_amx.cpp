@@ -15,6 +15,7 @@
 #include <cstdlib>
 
 #include "../attention_wide.h"
+#include "exp16.h"
 
 namespace speculant {
 namespace {
@@ -163,9 +164,49 @@ bool attention_scores_amx_bf16(const float* const* q_rows, float* scores, int64_
   return true;
 }
 
-bool attention_values_amx_bf16(const float* const* probs, const int64_t* lengths,
-                               int64_t num_queries, const uint16_t* const* v_rows, int64_t n_max,
-                               int64_t D, float* const* outs) {
+namespace {
+
+// The softmax numerators of one query's scores s [0, n): exp(s - max) split into bf16 hi / lo,
+// written as row `row` of its P operands (chunk c's hi at p + c * chunk_stride, lo 16 rows
+// further), zeros from n to the end of the last chunk. Returns their fp32 sum (16 lanes added
+// in position order, then reduced); stores the max in *max_out.
+float softmax_split(const float* s, int64_t n, int64_t num_chunks, uint16_t* p,
+                    int64_t chunk_stride, float* max_out) {
+  const __m512 neg_infs = _mm512_set1_ps(-__builtin_inff());
+  __m512 vmax = neg_infs;
+  for (int64_t q = 0; q < n; q += 16) {
+    const __mmask16 mask = n - q >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - q)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_infs, mask, s + q));
+  }
+  const float m = _mm512_reduce_max_ps(vmax);
+  *max_out = m;
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    uint16_t* hi = p + c * chunk_stride;
+    uint16_t* lo = hi + kTile * 32;
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t q = 32 * c + 16 * h;
+      const int64_t valid = n - q < 0 ? 0 : n - q > 16 ? 16 : n - q;
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      // lanes past n: exp(-inf - m) = 0 exactly
+      const __m512 e = avx512::exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_infs, mask, s + q), vm));
+      vsum = _mm512_add_ps(vsum, e);
+      __m256i hv, lv;
+      split16(e, &hv, &lv);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(hi + 16 * h), hv);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lo + 16 * h), lv);
+    }
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
+}  // namespace
+
+bool attention_softmax_values_amx_bf16(const float* const* scores, const int64_t* lengths,
+                                       int64_t num_queries, const uint16_t* const* v_rows,
+                                       int64_t n_max, int64_t D, float* const* outs,
+                                       float* const* maxes, float* const* sums) {
   if (D % 16 != 0) return false;
   constexpr int64_t kChunk = 32;  // positions per tile product (16 pairs)
   const int64_t num_chunks = (n_max + kChunk - 1) / kChunk;
@@ -202,23 +243,20 @@ bool attention_values_amx_bf16(const float* const* probs, const int64_t* lengths
       }
     }
   }
-  // probabilities past a query's length are exactly 0 (the scores there were never normalized)
+  // P: each query's softmax numerators straight into its rows; the padding rows of the last
+  // query tile are zeros
+  const int64_t chunk_stride = 2 * kTile * 32;
   for (int64_t qt = 0; qt < num_qtiles; ++qt) {
     for (int64_t i = 0; i < kTile; ++i) {
       const int64_t j = qt * kTile + i;
-      const int64_t n = j < num_queries ? lengths[j] : 0;
+      uint16_t* row = pbuf + qt * num_chunks * chunk_stride + i * 32;
+      if (j < num_queries) {
+        *sums[j] = softmax_split(scores[j], lengths[j], num_chunks, row, chunk_stride, maxes[j]);
+        continue;
+      }
       for (int64_t c = 0; c < num_chunks; ++c) {
-        uint16_t* hi = pbuf + ((qt * num_chunks + c) * 2) * kTile * 32 + i * 32;
-        uint16_t* lo = hi + kTile * 32;
         for (int64_t h = 0; h < 2; ++h) {
-          const int64_t p = c * kChunk + 16 * h;
-          const int64_t valid = n - p < 0 ? 0 : n - p > 16 ? 16 : n - p;
-          const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-          const __m512 x = _mm512_maskz_loadu_ps(mask, probs[j < num_queries ? j : 0] + p);
-          __m256i hv, lv;
-          split16(x, &hv, &lv);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(hi + 16 * h), hv);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(lo + 16 * h), lv);
+          _mm512_store_si512(row + c * chunk_stride + h * kTile * 32, _mm512_setzero_si512());
         }
       }
     }
@@ -230,7 +268,7 @@ bool attention_values_amx_bf16(const float* const* probs, const int64_t* lengths
     cfg.rows[t] = kTile;
   }
   _tile_loadconfig(&cfg);
-  alignas(64) float sums[4][kTile * kTile];
+  alignas(64) float value_tiles[4][kTile * kTile];
   for (int64_t qt = 0; qt < num_qtiles; ++qt) {
     for (int64_t f0 = 0; f0 < num_ftiles; f0 += 4) {
       const int64_t nf = num_ftiles - f0 < 4 ? num_ftiles - f0 : 4;
@@ -256,14 +294,14 @@ bool attention_values_amx_bf16(const float* const* probs, const int64_t* lengths
         if (nf > 3) { SPECULANT_PV(7, 3) }
 #undef SPECULANT_PV
       }
-      _tile_stored(4, sums[0], 64);
-      if (nf > 1) _tile_stored(5, sums[1], 64);
-      if (nf > 2) _tile_stored(6, sums[2], 64);
-      if (nf > 3) _tile_stored(7, sums[3], 64);
+      _tile_stored(4, value_tiles[0], 64);
+      if (nf > 1) _tile_stored(5, value_tiles[1], 64);
+      if (nf > 2) _tile_stored(6, value_tiles[2], 64);
+      if (nf > 3) _tile_stored(7, value_tiles[3], 64);
       for (int64_t i = 0; i < kTile && qt * kTile + i < num_queries; ++i) {
         float* out = outs[qt * kTile + i];
         for (int64_t f = 0; f < nf; ++f) {
-          _mm512_storeu_ps(out + 16 * (f0 + f), _mm512_load_ps(sums[f] + i * kTile));
+          _mm512_storeu_ps(out + 16 * (f0 + f), _mm512_load_ps(value_tiles[f] + i * kTile));
         }
       }
     }

@@ -1,0 +1,33 @@
+// exp on 16 float lanes, shared by the AVX-512 attention files (and included only by files in
+// this folder, compiled with the AVX-512 flags: see linear_blocks.h why).
+#pragma once
+
+#include <immintrin.h>
+
+namespace speculant {
+namespace avx512 {
+
+// simd.h's exp8 (Cephes' polynomial) on 16 lanes, same constants, same operations per lane.
+inline __m512 exp16(__m512 x) {
+  const __m512 lowest = _mm512_set1_ps(-87.0f);
+  const __mmask16 in_range = _mm512_cmp_ps_mask(x, lowest, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lowest);
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // floor
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
+  return _mm512_maskz_mov_ps(in_range, y);
+}
+
+}  // namespace avx512
+}  // namespace speculant
