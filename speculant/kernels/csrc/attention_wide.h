@@ -37,9 +37,9 @@ void attention_values_avx512(const uint16_t* const* v_rows, const float* const* 
 // AMX-BF16 (avx512/attention_amx.cpp; only where prompt_attention_tiles() in kernel_path.h):
 // the scores of num_queries queries over num_vec8 8-position vectors of fp16 transposed K
 // blocks, as attention_scores_avx512 takes them, into scores + j * row_stride (row_stride a
-// multiple of 16: whole 16-position tiles are stored, positions past the last vector hold
-// garbage-free zeros' scores). Not bit-identical to the fp32 loops (see that file); returns
-// false, computing nothing, for a head_dim it does not take (a multiple of 32 up to 128).
+// multiple of 16: whole 16-position tiles are stored; past the last vector, K counts as 0).
+// Not bit-identical to the fp32 loops (see that file); returns false, computing nothing, for a
+// head_dim it does not take (a multiple of 32 up to 128).
 bool attention_scores_amx_bf16(const float* const* q_rows, float* scores, int64_t row_stride,
                                int64_t num_queries, const uint16_t* const* k8, int64_t num_vec8,
                                int64_t stride, int64_t D, float scale);

@@ -1,14 +1,15 @@
-// Prompt attention scores on AMX-BF16 tiles (see attention_wide.h), compiled apart with the
-// AVX-512 and AMX flags and included only through that header (linear_blocks.h says why).
+// Prompt attention on AMX-BF16 tiles: the scores, then the softmax and the value sums of a unit's
+// queries over one partition (see attention_wide.h), compiled apart with the AVX-512 and AMX
+// flags and included only through that header (linear_blocks.h says why).
 //
 // Precision. Each operand is split into two bf16 numbers, x = hi + lo (hi = x rounded to bf16,
 // lo = the rest rounded to bf16), and a score is the fp32 sum of hi*hi' + hi*lo' + lo*hi' over
 // the features: a K value from the fp16 cache splits exactly (11 significant bits fit in two
-// bf16 of 8), a scaled query to ~16 bits, so a score is within a few fp32 roundings of the
-// fp32 path's, not bit-identical to it. Every bf16 product is exact in fp32 and the tile unit
-// adds them in a fixed order per output element (features ascending), so a score depends only
-// on its query and its position's K: rows of a tile, and the other queries in it, never change
-// it (batch-invariant).
+// bf16 of 8), a scaled query (and a softmax numerator) to ~16 bits, so a score (a value sum) is
+// within a few fp32 roundings of the fp32 path's, not bit-identical to it. Every bf16 product
+// is exact in fp32 and the tile unit adds them in a fixed order per output element (features,
+// or positions, ascending), so an output depends only on its query and its sequence's K / V:
+// rows of a tile, and the other queries in it, never change it (batch-invariant).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -47,6 +48,20 @@ inline void split16(__m512 x, __m256i* hi, __m256i* lo) {
   const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   *hi = h;
   *lo = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, back)));
+}
+
+// a row of a B operand from two 16-lane vectors, a (element 2r of each of 16 columns) and b
+// (element 2r + 1): the pairs (a_i, b_i) in column order, split, as 32 hi and 32 lo bf16.
+inline void store_pair_row(__m512 a, __m512 b, uint16_t* hi, uint16_t* lo) {
+  const __m512i first8 = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i last8 = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  __m256i h0, l0, h1, l1;
+  split16(_mm512_permutex2var_ps(a, first8, b), &h0, &l0);
+  split16(_mm512_permutex2var_ps(a, last8, b), &h1, &l1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(hi), h0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(hi + 16), h1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lo), l0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lo + 16), l1);
 }
 
 inline __m512 load_k16(const uint16_t* lo8, const uint16_t* hi8) {
@@ -88,9 +103,6 @@ bool attention_scores_amx_bf16(const float* const* q_rows, float* scores, int64_
   uint16_t* kbuf = tls_buffers.get(k_elems + q_elems);
   uint16_t* qbuf = kbuf + k_elems;
 
-  const __m512i lo_pairs = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi_pairs =
-      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int64_t n = 0; n < num_ptiles; ++n) {
     const uint16_t* v0 = k8[2 * n];
     const uint16_t* v1 = 2 * n + 1 < num_vec8 ? k8[2 * n + 1] : nullptr;
@@ -98,19 +110,9 @@ bool attention_scores_amx_bf16(const float* const* q_rows, float* scores, int64_
       const int64_t d = 2 * r;
       const __m512 a = load_k16(v0 + d * stride, v1 ? v1 + d * stride : nullptr);
       const __m512 b = load_k16(v0 + (d + 1) * stride, v1 ? v1 + (d + 1) * stride : nullptr);
-      // positions 0-7 and 8-15, each as (feature 2r, feature 2r + 1) pairs
-      const __m512 first = _mm512_permutex2var_ps(a, lo_pairs, b);
-      const __m512 second = _mm512_permutex2var_ps(a, hi_pairs, b);
-      __m256i h0, l0, h1, l1;
-      split16(first, &h0, &l0);
-      split16(second, &h1, &l1);
       const int64_t slice = r / 16, row = r % 16;
       uint16_t* hi = kbuf + ((n * halves + slice) * 2) * kTile * 32 + row * 32;
-      uint16_t* lo = hi + kTile * 32;
-      _mm256_store_si256(reinterpret_cast<__m256i*>(hi), h0);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(hi + 16), h1);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lo), l0);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(lo + 16), l1);
+      store_pair_row(a, b, hi, hi + kTile * 32);  // 16 positions x (feature 2r, 2r + 1)
     }
   }
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -218,9 +220,6 @@ bool attention_softmax_values_amx_bf16(const float* const* scores, const int64_t
   const int64_t p_elems = num_qtiles * num_chunks * 2 * kTile * 32;
   uint16_t* vbuf = tls_buffers.get(v_elems + p_elems);
   uint16_t* pbuf = vbuf + v_elems;
-  const __m512i lo_pairs = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  const __m512i hi_pairs =
-      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
   for (int64_t c = 0; c < num_chunks; ++c) {
     for (int64_t r = 0; r < kTile; ++r) {  // positions 2r, 2r + 1 of the chunk
       const int64_t p0 = c * kChunk + 2 * r, p1 = p0 + 1;
@@ -231,15 +230,8 @@ bool attention_softmax_values_amx_bf16(const float* const* scores, const int64_t
         const __m512 b = p1 < n_max ? _mm512_cvtph_ps(_mm256_loadu_si256(
                                           reinterpret_cast<const __m256i*>(v_rows[p1] + 16 * f)))
                                     : _mm512_setzero_ps();
-        __m256i h0, l0, h1, l1;
-        split16(_mm512_permutex2var_ps(a, lo_pairs, b), &h0, &l0);
-        split16(_mm512_permutex2var_ps(a, hi_pairs, b), &h1, &l1);
         uint16_t* hi = vbuf + ((c * num_ftiles + f) * 2) * kTile * 32 + r * 32;
-        uint16_t* lo = hi + kTile * 32;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(hi), h0);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(hi + 16), h1);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lo), l0);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lo + 16), l1);
+        store_pair_row(a, b, hi, hi + kTile * 32);  // 16 features x (position 2r, 2r + 1)
       }
     }
   }
