@@ -31,7 +31,11 @@
 //
 // Kernel paths: on a path with wide attention (kernel_path.h) the scores and the value sums run as
 // 512-bit loops (avx512/attention.cpp: 16 positions or 16 features per vector) with the same
-// operations per lane, so the outputs are bit-identical to the AVX2 loops here.
+// operations per lane, so the outputs are bit-identical to the AVX2 loops here. On an AMX-BF16
+// CPU (kernel_path.h, prompt_attention_tiles) the units of prompt positions run their scores,
+// softmax and value sums on bf16 tiles with split operands instead (avx512/attention_amx.cpp):
+// within fp32 rounding of these loops, not bit-identical, batch-invariant all the same; a run
+// never mixes prompt and generated positions, and generated ones always take the loops here.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 

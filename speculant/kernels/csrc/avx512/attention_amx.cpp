@@ -75,6 +75,7 @@ inline __m512 load_k16(const uint16_t* lo8, const uint16_t* hi8) {
 struct Buffers {
   uint16_t* data = nullptr;
   int64_t capacity = 0;  // uint16_t elements
+  ~Buffers() { free(data); }
   uint16_t* get(int64_t n) {
     if (n > capacity) {
       free(data);
