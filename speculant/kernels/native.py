@@ -94,17 +94,24 @@ def weight_prefetch_blocks() -> int | None:
 
 
 @contextlib.contextmanager
-def forced_prefetch_blocks(blocks: int):
-    """Runs the block with the VNNI kernels prefetching `blocks` weight blocks ahead, then
-    restores the previous setting (tests and A/B measurements)."""
+def _forced_setting(setter: str, value, what: str):
+    """Runs the block with the process-wide native setting `setter` (an op that sets it and
+    returns the previous value) at `value`, then restores the previous one."""
     ops = load_ops()
     if ops is None:
-        raise RuntimeError("weight prefetch distance requested but the native kernels are unavailable")
-    previous = ops.set_weight_prefetch_blocks(blocks)
+        raise RuntimeError(f"{what} requested but the native kernels are unavailable")
+    set_value = getattr(ops, setter)
+    previous = set_value(value)
     try:
         yield
     finally:
-        ops.set_weight_prefetch_blocks(previous)
+        set_value(previous)
+
+
+def forced_prefetch_blocks(blocks: int):
+    """Runs the block with the VNNI kernels prefetching `blocks` weight blocks ahead, then
+    restores the previous setting (tests and A/B measurements)."""
+    return _forced_setting("set_weight_prefetch_blocks", blocks, "weight prefetch distance")
 
 
 def prompt_attention() -> str:
@@ -115,18 +122,10 @@ def prompt_attention() -> str:
     return str(ops.prompt_attention()) if ops is not None else "fp32"
 
 
-@contextlib.contextmanager
 def forced_prompt_attention(mode: str):
     """Runs the block with prompt attention `mode` ("auto" or "fp32"), then restores the
     previous setting (tests and A/B measurements)."""
-    ops = load_ops()
-    if ops is None:
-        raise RuntimeError("prompt attention mode requested but the native kernels are unavailable")
-    previous = ops.set_prompt_attention(mode)
-    try:
-        yield
-    finally:
-        ops.set_prompt_attention(previous)
+    return _forced_setting("set_prompt_attention", mode, "prompt attention mode")
 
 
 def supported_kernel_paths() -> tuple[str, ...]:
@@ -135,18 +134,10 @@ def supported_kernel_paths() -> tuple[str, ...]:
     return tuple(ops.kernel_paths()) if ops is not None else ()
 
 
-@contextlib.contextmanager
 def forced_kernel_path(name: str):
     """Runs the block on kernel path `name` (process-wide), then restores the previous one: how
     tests and benchmarks compare paths in one process. Raises if this CPU lacks the path."""
-    ops = load_ops()
-    if ops is None:
-        raise RuntimeError(f"kernel path {name!r} requested but the native kernels are unavailable")
-    previous = ops.set_kernel_path(name)
-    try:
-        yield
-    finally:
-        ops.set_kernel_path(previous)
+    return _forced_setting("set_kernel_path", name, f"kernel path {name!r}")
 
 
 def build() -> Path:

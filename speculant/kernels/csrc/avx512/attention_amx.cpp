@@ -17,19 +17,14 @@
 
 #include "../attention_wide.h"
 #include "exp16.h"
+#include "tile_config.h"
 
 namespace speculant {
 namespace {
 
 constexpr int kTile = 16;  // query rows of an A tile, positions of a B / C tile
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using avx512::TileConfig;
 
 // tmm0-3: the query tile's hi/lo halves (features [0, 32), [32, 64)); tmm4-5: K hi/lo of a
 // 16-position tile; tmm6: its 16 x 16 fp32 scores. Every tile is 16 rows of 64 bytes.

@@ -36,6 +36,7 @@
 #include <cstring>
 
 #include "../linear_blocks.h"
+#include "tile_config.h"
 
 namespace speculant {
 namespace {
@@ -46,16 +47,10 @@ constexpr int64_t kPairBytes = 512;    // one block of a pair as a B operand: 8 
 constexpr int64_t kSpanBlocks = 64;    // blocks laid out at a time (32 KB, stays in L1/L2)
 constexpr int64_t kMaxRows = 128;      // rows whose accumulators wait between spans
 
+using avx512::TileConfig;
+
 // Tile registers: 0-1 the activation block (two sets), 2 the weight block of the set 0, 3 of
 // set 1, 4-5 the dots. The intrinsics take literal register numbers.
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // A: `rows` x 32 bytes; B: 8 x 64 bytes (K = 32 features x 16 columns); C: `rows` x 16 int32.
 void configure_tiles(int rows) {
   TileConfig cfg;
