@@ -19,9 +19,10 @@ def test_index_is_torch_argmax_and_prob_its_softmax(vocab, rows, native):
     logits = torch.randn(rows, vocab) * 4
     index, prob = row_argmax(logits, with_prob=True, native=native)
     assert index.dtype == torch.int64 and torch.equal(index, logits.argmax(dim=-1))
-    # against float64: float32 softmax itself is off by up to ~1e-5 over 49,152 terms
+    # against float64: a float32 softmax over 49,152 terms is off by up to ~1.2e-5 (torch's own,
+    # the fallback, on an AVX2-only Zen 1: its sum order follows the CPU's vector width)
     expected = torch.softmax(logits.double(), dim=-1).gather(-1, index[:, None])[:, 0]
-    torch.testing.assert_close(prob.double(), expected, rtol=1e-5, atol=0.0)
+    torch.testing.assert_close(prob.double(), expected, rtol=5e-5, atol=0.0)
     assert row_argmax(logits, native=native)[1] is None
 
 
