@@ -135,6 +135,16 @@ TURN_LEAD = 1.2
 # 1,400-2,200, ~1% of the chain's speed. Replayed on the same logged runs, the steps before and
 # after read 0.66 / 0.63 / 0.47.
 SETTLE_STEPS = 8
+# Under a plain incumbent, a probe of drafting makes the model drafters catch up on what the
+# plain steps committed (each sequence's window, `chain.PROBE_CONTEXT_TOKENS`); the probe is not
+# charged for it (`observe`), but it is paid all the same. So the next probe waits until that
+# catch-up is this share of the plain steps since: the 4-layer draft's probes at c=8 on qa
+# caught up 8 windows, 0.27-0.30 s (6.5-7.5 plain steps) each, two of them 3.7% of a 15 s run
+# where it never paid (AMD EPYC Zen 1). Model-free speculators catch up on
+# nothing: their probes keep their pace. The price is a slower return where the text turns:
+# drafting at 0.5x, then 1.3x, with 2 plain steps of catch-up per probe, is back after 1,331
+# steps at this share (638 without the wait; not within 3,000 at 0.01).
+CATCH_UP_SHARE = 0.02
 
 
 @dataclass(slots=True)
@@ -290,6 +300,9 @@ class BucketState:
     recent_gain: float = 0.0
     num_recent_steps: int = 0
     start_step: int = 0  # `steps` when this bucket's measuring began (a restart: see `choose`)
+    # under a plain incumbent, no probe of drafting before this step (`CATCH_UP_SHARE`)
+    catch_up_until: int = 0
+    step_s: float = 0.0  # the incumbent's seconds per step, its last ~8 steps
     alone: int | None = None  # bucket 1: the sequence that decoded alone in its last step
     pending: list["PendingProbe"] = field(default_factory=list)  # probes not yet scored
 
@@ -412,7 +425,7 @@ class SpecTuner:
                 index = state.incumbent
             else:
                 index = min(unmeasured, key=lambda i: (arms[i].n_max != 0, arms[i].pulls, i))
-        elif state.steps >= state.next_explore and self._settle(state):
+        elif state.steps >= _next_probe(state) and self._settle(state):
             index = self._explore(state)
             self._fade(state, state.arms[index])
         else:
@@ -438,6 +451,7 @@ class SpecTuner:
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
         scored: list[tuple[ArmStats, int]] = []
         if arm is not incumbent:
+            self._wait_after_catch_up(state, catch_up_seconds)
             seconds = max(seconds - catch_up_seconds, 0.1 * seconds)
             if incumbent.recent.tokens > 0:
                 probe = PendingProbe(state.current, state.steps, tokens, seconds,
@@ -447,6 +461,8 @@ class SpecTuner:
                 if self._decisive(state, probe):
                     scored = self._score_pending(state, only=probe)
         else:
+            state.step_s = seconds if not state.step_s else \
+                (1 - LOCAL_SMOOTHING) * state.step_s + LOCAL_SMOOTHING * seconds
             for probe in state.pending:
                 probe.ref_tokens += tokens
                 probe.ref_seconds += seconds
@@ -472,6 +488,15 @@ class SpecTuner:
             for probed, step in scored:
                 self._after_probe(state, probed, step)
         self._challenge(state)
+
+    def _wait_after_catch_up(self, state: BucketState, catch_up_seconds: float) -> None:
+        """A probe under a plain incumbent spent `catch_up_seconds` on drafters catching up:
+        the next probe waits until that is `CATCH_UP_SHARE` of the plain steps since."""
+        if catch_up_seconds <= 0 or state.arms[state.incumbent].n_max != 0 or not state.step_s:
+            return
+        plain_steps = catch_up_seconds / state.step_s
+        state.catch_up_until = max(state.catch_up_until,
+                                   state.steps + math.ceil(plain_steps / CATCH_UP_SHARE))
 
     def _settle(self, state: BucketState) -> bool:
         """A probe is due: score the pending ones with the incumbent's steps seen after them so
@@ -525,7 +550,7 @@ class SpecTuner:
         state = self._buckets.get(concurrency_bucket(num_decoding))
         if state is None or state.arms[state.incumbent].n_max != 0:
             return False
-        return state.steps % SHADOW_EVERY == 0 or state.steps + 1 >= state.next_explore
+        return state.steps % SHADOW_EVERY == 0 or state.steps + 1 >= _next_probe(state)
 
     def summary(self) -> dict:
         """Per concurrency bucket: the chosen limit, steps, switches to plain, goodput per arm
@@ -758,6 +783,14 @@ class SpecTuner:
         state.next_explore = state.steps + state.explore_interval
         state.explore_interval = min(2 * state.explore_interval, self.config.max_explore_every)
         return index
+
+
+def _next_probe(state: BucketState) -> int:
+    """The step of the next re-measurement: `next_explore`, and under a plain incumbent not
+    before the last probe's catch-up is paid for (`CATCH_UP_SHARE`)."""
+    if state.arms[state.incumbent].n_max != 0:
+        return state.next_explore
+    return max(state.next_explore, state.catch_up_until)
 
 
 def _gains_nothing(state: BucketState) -> bool:

@@ -372,6 +372,36 @@ def test_a_probe_is_not_charged_for_catching_up(charged):
     assert tuner.best(1) == (0 if charged else 16)
 
 
+@pytest.mark.parametrize("catch_up_steps", [0.0, 6.5])
+def test_probes_that_make_drafters_catch_up_wait_until_it_is_paid_for(catch_up_steps):
+    """Plain settled first (drafting at 0.75x: the 4-layer draft at c=8); each later probe of
+    drafting makes the draft model catch up for `catch_up_steps` plain steps' time (8 windows
+    of 64 rows: 6.5 steps on qa at c=8, AMD EPYC Zen 1). The next probe waits until that is
+    CATCH_UP_SHARE of the plain steps since; without catch-up the usual schedule holds (7
+    probes in the first 400 steps, where a c=8 run's bucket takes ~400 steps in all)."""
+    from speculant.engine.tuner import CATCH_UP_SHARE
+
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    run_bandit(tuner, lambda n: 600 if n else 800, steps=100, num_decoding=8)
+    assert tuner.best(8) == 0
+    probes, previous = [], 0
+    for step in range(4000):
+        n = tuner.choose(8)
+        catch_up = 0.04 * catch_up_steps if n and not previous else 0.0
+        tuner.observe(8, 6 if n else 8, (0.04 + catch_up) if n else 0.04,
+                      catch_up_seconds=catch_up)
+        if n and not previous:
+            probes.append(step)
+        previous = n
+    assert tuner.best(8) == 0
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    first = [p for p in probes if p < 400]
+    if catch_up_steps:
+        assert probes and min(gaps) >= catch_up_steps / CATCH_UP_SHARE and len(first) <= 2
+    else:
+        assert len(first) >= 5
+
+
 def test_noise_around_equal_goodput_keeps_the_untuned_limit():
     """Arms whose goodput differs only by noise (+-2%, under the 3% margin) never displace the
     incumbent: the engine's own limit, i.e. the untuned behaviour."""

@@ -248,6 +248,30 @@ def test_a_priced_drafter_rereads_only_a_window_of_a_history_it_missed():
     assert model.asked[-1].context_tokens == 0
 
 
+def test_a_priced_first_read_of_a_sequence_that_generated_past_a_window_reads_the_window():
+    """A sequence that decoded plain past a window before a priced model drafter was first
+    asked about it (it joined while the tuner decoded plain) is read from the window, not from
+    its prompt on; one that generated less than a window still reads its whole history."""
+    from speculant.speculators.base import CommittedTokens
+    from speculant.speculators.chain import PROBE_CONTEXT_TOKENS
+
+    text = list(range(2000, 4000))
+    model = ConfidentModel("model", text, lambda pos: (0.95, True))
+    chain = SpeculatorChain([model], probe_interval=1000)
+    chain.begin(0, text[:10], ("model",))
+    drive(chain, text, 10, 20)  # priced now
+    for seq_id, generated, window in ((1, PROBE_CONTEXT_TOKENS + 40, PROBE_CONTEXT_TOKENS),
+                                      (2, PROBE_CONTEXT_TOKENS - 4, 0)):
+        start = 100 * seq_id
+        chain.begin(seq_id, text[start:start + 50], ("model",))
+        end = start + 50
+        for _ in range(generated):  # plain steps, the drafter not asked
+            chain.process([CommittedTokens(seq_id, end - start - 1, text[end - 1:end], text[end])])
+            end += 1
+        assert chain.draft([DraftRequest(seq_id, text[start:end], DraftParams(n_max=4))], 0.3)
+        assert model.asked[-1].context_tokens == window
+
+
 def test_first_token_table_bins_probabilities_and_their_agreement():
     from speculant.speculators.calibration import first_token_table
 
