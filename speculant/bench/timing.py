@@ -144,7 +144,7 @@ def spread(values: list[float]) -> dict:
 def machine_info(threads: int) -> dict:
     """What the README's table needs to say where it was measured. `kernel_path`: the path the
     CPU linear kernels ran on ("avx2", "avx512_vnni", "amx_int8"; "torch" for the PyTorch
-    fallback); `prefetch_blocks`: how far ahead the VNNI kernels prefetched weights (None
+    fallback); `prefetch_blocks`: how far ahead the VNNI and AVX2 kernels prefetched weights (None
     without the native kernels); `prompt_attention`: what prompt positions were attended on
     ("amx_bf16" tiles or "fp32")."""
     import torch

@@ -87,7 +87,7 @@ def kernel_path() -> str:
 
 
 def weight_prefetch_blocks() -> int | None:
-    """Weight blocks the AVX-512 VNNI kernels prefetch ahead (0: none; chosen from the CPU, or
+    """Weight blocks the VNNI and AVX2 kernels prefetch ahead (0: none; chosen from the CPU, or
     SPECULANT_PREFETCH_BLOCKS; csrc/kernel_path.h), or None without the native kernels."""
     ops = load_ops()
     return int(ops.weight_prefetch_blocks()) if ops is not None else None
@@ -109,7 +109,7 @@ def _forced_setting(setter: str, value, what: str):
 
 
 def forced_prefetch_blocks(blocks: int):
-    """Runs the block with the VNNI kernels prefetching `blocks` weight blocks ahead, then
+    """Runs the block with the VNNI and AVX2 kernels prefetching `blocks` weight blocks ahead, then
     restores the previous setting (tests and A/B measurements)."""
     return _forced_setting("set_weight_prefetch_blocks", blocks, "weight prefetch distance")
 

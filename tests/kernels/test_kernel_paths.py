@@ -320,7 +320,7 @@ def test_default_model_writes_the_same_text_on_every_path(default_engine):
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)
 def test_weight_prefetch_distance_never_changes_results(qtype, wide_path):
-    """How far ahead the VNNI kernels prefetch weights (chosen from the CPU) only moves memory
+    """How far ahead the VNNI (and AVX2) kernels prefetch weights only moves memory
     requests: every distance gives the AVX2 path's bits, at 1-32 rows and on the LM head."""
     for out_features, in_features in [(203, 576), LM_HEAD]:
         if out_features == LM_HEAD[0] and qtype != "Q8_0":
@@ -331,6 +331,26 @@ def test_weight_prefetch_distance_never_changes_results(qtype, wide_path):
             with forced_prefetch_blocks(blocks):
                 assert weight_prefetch_blocks() == blocks
                 assert_paths_agree(w, x, (1, 2, 5, 32), wide_path)
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_avx2_weight_prefetch_never_changes_results(qtype):
+    """The AVX2 kernels request weights ahead too (first row tile only): every distance gives
+    the bits of no requests at all, at 1-32 rows (row tiles of 3 and their remainders), on
+    partial groups (requests past a matrix's last block) and on the LM head."""
+    require_path("avx2")
+    shapes = SHAPES + ([LM_HEAD] if qtype == "Q8_0" else [])
+    for out_features, in_features in shapes:
+        w = PackedLinear.from_float(random_weight(out_features, in_features), qtype)
+        x = activations(32, in_features)
+        rows = (1, 2, 4, 32) if out_features == LM_HEAD[0] else range(1, 33)
+        with forced_kernel_path("avx2"), forced_prefetch_blocks(0):
+            ref = {m: w(x[:m]) for m in rows}
+        for blocks in (1, 4, 17, 64):
+            with forced_kernel_path("avx2"), forced_prefetch_blocks(blocks):
+                for m in rows:
+                    assert torch.equal(bits(w(x[:m])), bits(ref[m])), \
+                        f"{qtype} {out_features}x{in_features} M={m} prefetch {blocks}"
 
 
 def prefetch_blocks_in_subprocess(value: str) -> subprocess.CompletedProcess:

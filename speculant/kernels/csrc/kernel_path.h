@@ -28,12 +28,14 @@ bool wide_attention(KernelPath path);
 // the other paths); generated positions always take the fp32 path.
 bool prompt_attention_tiles();
 
-// How many weight blocks ahead the AVX-512 VNNI kernels request into L1 (0: none), chosen once per
-// process from the CPU (or SPECULANT_PREFETCH_BLOCKS, 0-64): a matter of the CPU's hardware
-// prefetchers, not of its instruction set. Measured on 2-core KVM guests (whole target forwards,
-// in one process, alternating): an AMD EPYC Zen 4 (family 19h) ran forwards of 1-4 rows 5-6%
-// faster without the requests; on an AMD EPYC Zen 5 (family 1Ah) the 1-row LM head had needed
-// them to reach the memory bandwidth. So none on family 19h, 4 elsewhere. Never changes results.
+// How many weight blocks ahead the AVX-512 VNNI and AVX2 kernels request into L1 (0: none), chosen
+// once per process from the CPU (or SPECULANT_PREFETCH_BLOCKS, 0-64): a matter of the CPU's
+// hardware prefetchers, not of its instruction set. Measured on 2-core KVM guests (whole target
+// forwards, in one process, alternating): an AMD EPYC Zen 4 (family 19h) ran forwards of 1-4 rows
+// 5-6% faster without the requests; on an AMD EPYC Zen 5 (family 1Ah) the 1-row LM head had
+// needed them to reach the memory bandwidth; on an AMD EPYC Zen 1 (family 17h, AVX2 only) 4
+// blocks made a decode step at c=1 8% shorter (2 and 6 blocks less so). So none on family 19h,
+// 4 elsewhere. Never changes results.
 int64_t weight_prefetch_blocks();
 
 // Operators (registered in ops.cpp): the active path's name; the paths this CPU supports, best
