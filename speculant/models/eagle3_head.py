@@ -92,12 +92,14 @@ class Eagle3Config:
 
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int,
-                   aux_layer_ids=None) -> "Eagle3Config":
-        """A head shaped like one layer of `target` (EAGLE-3 copies the target's widths)."""
+                   aux_layer_ids=None, intermediate_size: int | None = None) -> "Eagle3Config":
+        """A head shaped like one layer of `target` (EAGLE-3 copies the target's widths); a
+        wider MLP (`intermediate_size`) keeps the published layout, so vLLM/SGLang load it."""
         return cls(
             hidden_size=target.hidden_size, num_heads=target.num_heads,
             num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-            intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+            intermediate_size=intermediate_size or target.intermediate_size,
+            rms_norm_eps=target.rms_norm_eps,
             rope_theta=target.rope_theta,
             max_position_embeddings=target.max_position_embeddings,
             vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
@@ -214,11 +216,13 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def random(cls, target_config: ModelConfig, draft_vocab_ids, seed: int = 0,
-               aux_layer_ids=None) -> "Eagle3Head":
+               aux_layer_ids=None, intermediate_size: int | None = None) -> "Eagle3Head":
         """A randomly initialised head (Llama's N(0, 0.02), unit norms) whose draft vocabulary
-        is `draft_vocab_ids` (target ids; sorted here, as published heads keep them)."""
+        is `draft_vocab_ids` (target ids; sorted here, as published heads keep them); its MLP
+        is the target's width unless `intermediate_size` says otherwise."""
         ids = torch.as_tensor(draft_vocab_ids, dtype=torch.int64).unique()  # sorted
-        head = cls(Eagle3Config.for_target(target_config, len(ids), aux_layer_ids))
+        head = cls(Eagle3Config.for_target(target_config, len(ids), aux_layer_ids,
+                                           intermediate_size))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in head.named_parameters():

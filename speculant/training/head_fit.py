@@ -99,12 +99,14 @@ def extend_vocab(kept: torch.Tensor, counts: torch.Tensor, size: int,
     return torch.cat([kept, torch.tensor(extra, dtype=torch.int64), fresh]).sort().values
 
 
-def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | None = None) -> dict:
+def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | None = None,
+               mlp_rows: tuple[str, ...] = (), mlp_columns: tuple[str, ...] = ()) -> dict:
     """Copy `start`'s parameters into `head` (same kind and shapes); parameters with one row per
     draft token (`vocab_rows`) are remapped by target id, rows of tokens `start` lacked keep
     `head`'s own init. Where the heads read different target layers, the parameter with one
     column block per layer (`layer_columns`) is remapped by layer (`remap_layer_columns`).
-    Returns counts for the recipe."""
+    Where `head`'s MLP is wider, its hidden units' rows (`mlp_rows`) and columns
+    (`mlp_columns`) are widened (`widen_units`). Returns counts for the recipe."""
     layers_old, layers_new = tuple(start.capture_layers), tuple(head.capture_layers)
     info = {}
     if layers_old != layers_new:
@@ -125,12 +127,50 @@ def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | No
                 p[kept] = old[name][src_rows[kept]].to(p.dtype)
             elif name == layer_columns and layers_old != layers_new:
                 p.copy_(remap_layer_columns(old[name], layers_old, layers_new))
+            elif name in mlp_rows + mlp_columns and tuple(old[name].shape) != tuple(p.shape):
+                p.copy_(widen_units(p, old[name], dim=0 if name in mlp_rows else 1, name=name))
+                info["mlp_from"] = {"init_head": int(old[name].shape[0 if name in mlp_rows else 1]),
+                                    "head": int(p.shape[0 if name in mlp_rows else 1])}
             elif tuple(old[name].shape) != tuple(p.shape):
                 raise ValueError(f"train-head: --init-head's {name} has shape "
                                  f"{list(old[name].shape)}, this head needs {list(p.shape)}")
             else:
                 p.copy_(old[name])
     return {"kept_vocab_rows": int(kept.sum()), "new_vocab_rows": int((~kept).sum()), **info}
+
+
+def widen_units(fresh: torch.Tensor, weight: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+    # fresh: the wider head's own init; weight: `start`'s, with fewer hidden units along `dim`
+    """-> `fresh` with `weight` in its leading units. Along dim 0 (gate/up rows: what a unit
+    reads) the added units keep their random init; along dim 1 (down columns: what a unit
+    writes) they start at zero, so the wider MLP computes what `start`'s computed and training
+    grows the added units from there (their gradients flow: the units are active, only their
+    output weights are zero). Narrowing would drop trained units and is refused."""
+    num_old, num_new = weight.shape[dim], fresh.shape[dim]
+    other = [s for i, s in enumerate(weight.shape) if i != dim]
+    if num_old > num_new or other != [s for i, s in enumerate(fresh.shape) if i != dim]:
+        raise ValueError(f"train-head: --init-head's {name} has shape {list(weight.shape)}, this "
+                         f"head needs {list(fresh.shape)} (an MLP can only widen: "
+                         f"--head-intermediate >= {num_old})")
+    out = fresh.detach().clone()
+    if dim == 1:
+        out[:, num_old:] = 0
+    out.narrow(dim, 0, num_old).copy_(weight)
+    return out
+
+
+def mlp_width(asked: int, kind, start, checkpoint: dict | None) -> int | None:
+    """The head's MLP width: that of the checkpoint a run resumes (a different --head-intermediate
+    is refused), else --head-intermediate, else --init-head's, else None (the target's)."""
+    if checkpoint is not None and kind.mlp_rows:
+        have = int(checkpoint["head"][kind.mlp_rows[0]].shape[0])
+        if asked and asked != have:
+            raise ValueError(f"train-head: the checkpoint in --out has an MLP of {have} units, "
+                             f"--head-intermediate asks for {asked} (--fresh starts over)")
+        return have
+    if asked:
+        return asked
+    return int(start.config.intermediate_size) if start is not None and kind.mlp_rows else None
 
 
 def remap_layer_columns(weight: torch.Tensor, layers_old, layers_new) -> torch.Tensor:
@@ -260,11 +300,13 @@ class HeadFit:
             start = self.kind.load_head(cfg.init_head, tc, parts)
             kept = start.draft_to_target(torch.arange(start.config.draft_vocab_size))
             ids = extend_vocab(kept, self.counts, cfg.draft_vocab, eos_id)
-        self.head = self.kind.new_head(cfg, tc, parts, ids)
+        width = mlp_width(cfg.head_intermediate, self.kind, start, self.checkpoint)
+        self.head = self.kind.new_head(cfg, tc, parts, ids, width)
         if start is not None:
             self.warm_info = {"from": cfg.init_head, **_recipe_summary(cfg.init_head),
                               **warm_start(self.head, start, self.kind.vocab_rows,
-                                            self.kind.layer_columns)}
+                                            self.kind.layer_columns, self.kind.mlp_rows,
+                                            self.kind.mlp_columns)}
             self._quiet_new_rows(start)
         self.label_head = parts.lm_head[ids].contiguous()  # [draft_vocab, d]
         self.layers = self.head.capture_layers

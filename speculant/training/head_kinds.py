@@ -58,8 +58,10 @@ class HeadKind(ABC):
         """Target layers (residual after the layer) the head reads, as its `capture_layers`."""
 
     @abstractmethod
-    def new_head(self, cfg, target_config, parts: TargetParts, draft_ids: torch.Tensor):
-        """The head at the start of training; `draft_ids` [draft_vocab] ascending target ids."""
+    def new_head(self, cfg, target_config, parts: TargetParts, draft_ids: torch.Tensor,
+                 intermediate_size: int | None = None):
+        """The head at the start of training; `draft_ids` [draft_vocab] ascending target ids;
+        `intermediate_size` its MLP's width where the kind has `mlp_rows` (None: the target's)."""
 
     @abstractmethod
     def describe(self, head) -> dict:
@@ -74,6 +76,10 @@ class HeadKind(ABC):
     # the parameter whose columns are one block per captured target layer (remapped by layer on
     # a warm start whose head reads other layers), or None
     layer_columns: str | None = None
+    # the MLP's parameters with one row / one column per hidden unit: a kind that names them
+    # takes --head-intermediate, and a warm start may widen them (`head_fit.widen_units`)
+    mlp_rows: tuple[str, ...] = ()
+    mlp_columns: tuple[str, ...] = ()
 
 
 class Eagle3Kind(HeadKind):
@@ -83,9 +89,10 @@ class Eagle3Kind(HeadKind):
         aux = cfg.aux_layers or default_aux_layer_ids(target_config.num_layers)
         return aux_to_capture_layers(aux)
 
-    def new_head(self, cfg, target_config, parts: TargetParts,
-                 draft_ids: torch.Tensor) -> Eagle3Head:
-        head = Eagle3Head.random(target_config, draft_ids, cfg.seed, cfg.aux_layers)
+    def new_head(self, cfg, target_config, parts: TargetParts, draft_ids: torch.Tensor,
+                 intermediate_size: int | None = None) -> Eagle3Head:
+        head = Eagle3Head.random(target_config, draft_ids, cfg.seed, cfg.aux_layers,
+                                 intermediate_size)
         head.use_target_embedding(parts.embed)
         with torch.no_grad():  # start from the target's own output layer on the draft vocabulary
             head.lm_head.weight.copy_(parts.lm_head[draft_ids])
@@ -94,6 +101,7 @@ class Eagle3Kind(HeadKind):
 
     def describe(self, head: Eagle3Head) -> dict:
         return {"aux_layer_ids": list(head.config.aux_layer_ids),
+                "intermediate_size": int(head.config.intermediate_size),
                 "lm_head": "draft-vocabulary rows, trained from the target's"}
 
     def load_head(self, path: str, target_config, parts: TargetParts) -> Eagle3Head:
@@ -101,6 +109,8 @@ class Eagle3Kind(HeadKind):
 
     vocab_rows = ("lm_head.weight",)
     layer_columns = "fc.weight"
+    mlp_rows = ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight")
+    mlp_columns = ("midlayer.mlp.down_proj.weight",)
 
 
 class MtpKind(HeadKind):
@@ -109,8 +119,8 @@ class MtpKind(HeadKind):
     def capture_layers(self, cfg, target_config) -> tuple[int, ...]:
         return (target_config.num_layers - 1,)  # as MtpHead.capture_layers
 
-    def new_head(self, cfg, target_config, parts: TargetParts,
-                 draft_ids: torch.Tensor) -> MtpHead:
+    def new_head(self, cfg, target_config, parts: TargetParts, draft_ids: torch.Tensor,
+                 intermediate_size: int | None = None) -> MtpHead:
         head = MtpHead.random(target_config, cfg.seed)
         with torch.no_grad():
             head.shared_head_norm.weight.copy_(parts.final_norm)

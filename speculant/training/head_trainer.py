@@ -73,6 +73,10 @@ class HeadTrainConfig:
     eval_only: bool = False
     aux_layers: list[int] | None = None  # published ids (input of layer i); default EAGLE-3's
     draft_vocab: int = 8192
+    # hidden units of the head's MLP (eagle3); 0 = the head this run continues (its checkpoint
+    # or --init-head), else the target's width. Wider than the --init-head is a warm start that
+    # computes the same at step 0 (the added units write nothing until trained)
+    head_intermediate: int = 0
     ttt_steps: int = 3
     seq_len: int = 1024  # tokens per packed training row
     batch_size: int = 2  # rows per optimizer step
@@ -104,6 +108,10 @@ class HeadTrainConfig:
                      "max_new_tokens", "max_prompt_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train-head: --{name.replace('_', '-')} must be >= 1")
+        if self.head_intermediate < 0 or (self.head_intermediate and self.kind != "eagle3"):
+            raise ValueError(f"train-head: --head-intermediate is an eagle3 option and must be "
+                             f">= 0 (0 = the width of the head continued, else the target's), "
+                             f"got {self.head_intermediate} with --kind {self.kind}")
         if not 0.0 <= self.train_prompts_share < 1.0:
             raise ValueError(f"train-head: --train-prompts-share must be in [0, 1), got "
                              f"{self.train_prompts_share}")

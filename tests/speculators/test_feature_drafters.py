@@ -609,6 +609,53 @@ def test_one_native_call_equals_the_kernels_chained_from_python(eagle_engine):
     assert torch.equal(layer.logits(outs["one call"][0][[3, 5, 6]]), outs["one call"][1])
 
 
+@torch.inference_mode()
+def test_a_head_with_a_wider_mlp_than_the_target_runs_on_the_native_layer(tmp_path,
+                                                                          target_config):
+    """A head whose MLP is twice the target's width (`train-head --head-intermediate`) loads
+    from the published layout, its packed layer gives the op-by-op reference maths' outputs on
+    a ragged batch, and greedy output with it equals plain."""
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+
+    path = str(tmp_path / "wide")
+    width = 2 * target_config.intermediate_size
+    Eagle3Head.random(target_config, torch.arange(0, target_config.vocab_size, 7), seed=4,
+                      intermediate_size=width).save(path, dtype=torch.float32)
+    engine = Engine(model="default", spec_type=["eagle3"],
+                    spec_options={"eagle3": {"head": path, "kv_dtype": "float32"}},
+                    max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
+    probe = engine.speculator("eagle3")
+    assert probe.head.config.intermediate_size == width
+    from speculant.kernels import native_available
+
+    assert (probe.packed_layer is not None) == native_available()
+    if probe.packed_layer is not None:
+        _, hidden, ids = packed_layer_probe(engine, 7, seed=2)
+        layer, cache = probe.packed_layer, probe.cache
+        outs = []
+        for seq_id, packed in ((10**6, layer), (10**6 + 1, None)):
+            cache.allocate(seq_id)
+            cache.allocate(seq_id + 2)
+            probe.packed_layer = packed
+            try:
+                batch = build_forward_batch(cache, [SeqChunk(seq_id, 0, ids[:4], 1),
+                                                    SeqChunk(seq_id + 2, 0, ids[4:], 1)])
+                outs.append(probe._run_layer(batch, hidden.clone())[0])
+            finally:
+                probe.packed_layer = layer
+                cache.free(seq_id)
+                cache.free(seq_id + 2)
+        assert torch.allclose(outs[0], outs[1], atol=1e-4, rtol=1e-4), \
+            (outs[0] - outs[1]).abs().max()
+    engine.chain.probe_interval = 0
+    prompt = chats(engine, ["Name a colour."])[0]
+    spec = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                       spec=SpecParams(n_max=2)))
+    plain = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                        spec=SpecParams(enabled=False)))
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("hidden_size", 1024, "hidden_size 1024"),
     ("vocab_size", 32000, "vocab_size 32000"),

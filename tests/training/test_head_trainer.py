@@ -238,6 +238,31 @@ def test_init_head_warm_starts_from_a_trained_head(tiny_head, tmp_path):
                    "--init-head", out, "--draft-vocab", "8")
 
 
+def test_a_wider_head_warm_started_from_a_trained_one_agrees_as_it_did(tiny_head, tmp_path):
+    """--init-head with --head-intermediate twice the start's: the held-out agreement at init
+    is the trained head's (the added units write nothing yet), the recipe records both widths,
+    and the saved head loads with the wider MLP; a second sitting resumes at that width."""
+    kind, out, recipe, prompts = tiny_head
+    if kind != "eagle3":
+        pytest.skip("--head-intermediate is an eagle3 option")
+    width = 2 * recipe["head"]["intermediate_size"]
+    new = str(tmp_path / "wide")
+    common = ("--kind", kind, "--data-dir", os.path.join(out, "head_cache"), "--prompts",
+              prompts, *TINY)
+    assert train_head(*common, "--out", new, "--steps", "0", "--time-budget-min", "0",
+                      "--init-head", out, "--head-intermediate", str(width)) == 0
+    with open(os.path.join(new, "recipe.json")) as f:
+        wide = json.load(f)
+    assert wide["head"]["intermediate_size"] == width
+    assert wide["init_head"]["mlp_from"] == {"init_head": width // 2, "head": width}
+    assert wide["heldout"]["agreement_init"] == recipe["heldout"]["first_token_agreement"]
+    with open(os.path.join(new, "config.json")) as f:
+        assert json.load(f)["intermediate_size"] == width
+    assert train_head(*common, "--out", new, "--steps", "1") == 0  # resumes, width kept
+    with open(os.path.join(new, "recipe.json")) as f:
+        assert json.load(f)["head"]["intermediate_size"] == width
+
+
 def test_resumed_warm_start_keeps_its_lineage(tiny_head, tmp_path):
     """A run resumed from OUT's checkpoint records the run it continues (resumed_run) and keeps
     that run's init_head, so a head trained over several sittings keeps its whole lineage."""
@@ -356,6 +381,76 @@ def test_warm_start_to_other_target_layers_remaps_the_fc_blocks():
     disjoint = Eagle3Head.random(config, [3, 10, 20], seed=2, aux_layer_ids=(3, 16, 28))
     with pytest.raises(ValueError, match="reads target layers"):
         warm_start(disjoint, start, ("lm_head.weight",), "fc.weight")
+
+
+def test_warm_start_into_a_wider_mlp_computes_what_the_start_computed():
+    """A head with twice the target's MLP width starts from a trained one: the kept units keep
+    their rows and columns, the added units read from their own init and write nothing (zero
+    down columns), so a step's output is the start's; narrowing is refused by name."""
+    from speculant.models.eagle3_head import Eagle3Head
+    from speculant.models.loader import load_model
+    from speculant.training.head_kinds import HEAD_KINDS
+
+    config = load_model("default").config
+    kind, width = HEAD_KINDS["eagle3"], config.intermediate_size
+    start = Eagle3Head.random(config, [3, 10, 20], seed=1)
+    wide = Eagle3Head.random(config, [3, 10, 20], seed=2, intermediate_size=2 * width)
+    fresh_gate = wide.midlayer.mlp.gate_proj.weight.detach().clone()
+    info = warm_start(wide, start, kind.vocab_rows, kind.layer_columns, kind.mlp_rows,
+                      kind.mlp_columns)
+    assert info["mlp_from"] == {"init_head": width, "head": 2 * width}
+    mlp, mlp0 = wide.midlayer.mlp, start.midlayer.mlp
+    assert torch.equal(mlp.gate_proj.weight[:width], mlp0.gate_proj.weight)
+    assert torch.equal(mlp.gate_proj.weight[width:], fresh_gate[width:])
+    assert torch.equal(mlp.down_proj.weight[:, :width], mlp0.down_proj.weight)
+    assert not mlp.down_proj.weight[:, width:].any()
+    embed = torch.randn(config.vocab_size, config.hidden_size)
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(4, 3 * config.hidden_size, generator=gen)
+    attn = torch.randn(4, config.num_heads * config.head_dim, generator=gen)
+    for head in (start, wide):
+        head.use_target_embedding(embed)
+    with torch.no_grad():
+        torch.testing.assert_close(wide.finish(attn, wide.fuse(features)),
+                                   start.finish(attn, start.fuse(features)))
+    narrow = Eagle3Head.random(config, [3, 10, 20], seed=2, intermediate_size=width // 2)
+    with pytest.raises(ValueError, match="an MLP can only widen"):
+        warm_start(narrow, wide, kind.vocab_rows, kind.layer_columns, kind.mlp_rows,
+                   kind.mlp_columns)
+
+
+def test_mlp_width_follows_the_flag_the_start_or_the_checkpoint():
+    from speculant.models.eagle3_head import Eagle3Head
+    from speculant.models.loader import load_model
+    from speculant.training.head_fit import mlp_width
+    from speculant.training.head_kinds import HEAD_KINDS
+
+    config = load_model("default").config
+    eagle3, mtp = HEAD_KINDS["eagle3"], HEAD_KINDS["mtp"]
+    wide = Eagle3Head.random(config, [3, 10, 20], seed=2, intermediate_size=3072)
+    assert mlp_width(0, eagle3, None, None) is None  # the target's
+    assert mlp_width(0, eagle3, wide, None) == 3072  # --init-head's
+    assert mlp_width(4096, eagle3, wide, None) == 4096
+    checkpoint = {"head": dict(wide.state_dict())}
+    assert mlp_width(0, eagle3, None, checkpoint) == 3072
+    with pytest.raises(ValueError, match="checkpoint in --out has an MLP of 3072 units"):
+        mlp_width(4096, eagle3, None, checkpoint)
+    assert mlp_width(0, mtp, wide, None) is None
+
+
+def test_head_intermediate_is_an_eagle3_option():
+    parser = argparse.ArgumentParser()
+    add_train_head_args(parser)
+    from speculant.training.head_trainer import config_from_args
+
+    args = parser.parse_args(["--out", "x", "--kind", "mtp", "--head-intermediate", "3072"])
+    with pytest.raises(ValueError, match="--head-intermediate is an eagle3 option"):
+        config_from_args(args)
+    args = parser.parse_args(["--out", "x", "--head-intermediate", "-1"])
+    with pytest.raises(ValueError, match="must be >= 0"):
+        config_from_args(args)
+    assert config_from_args(parser.parse_args(["--out", "x", "--head-intermediate",
+                                               "3072"])).head_intermediate == 3072
 
 
 @pytest.mark.parametrize("saved, wanted, refused", [
