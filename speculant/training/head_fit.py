@@ -128,9 +128,10 @@ def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | No
             elif name == layer_columns and layers_old != layers_new:
                 p.copy_(remap_layer_columns(old[name], layers_old, layers_new))
             elif name in mlp_rows + mlp_columns and tuple(old[name].shape) != tuple(p.shape):
-                p.copy_(widen_units(p, old[name], dim=0 if name in mlp_rows else 1, name=name))
-                info["mlp_from"] = {"init_head": int(old[name].shape[0 if name in mlp_rows else 1]),
-                                    "head": int(p.shape[0 if name in mlp_rows else 1])}
+                dim = 0 if name in mlp_rows else 1  # the hidden units' axis
+                p.copy_(widen_units(p, old[name], dim, name))
+                info["mlp_from"] = {"init_head": int(old[name].shape[dim]),
+                                    "head": int(p.shape[dim])}
             elif tuple(old[name].shape) != tuple(p.shape):
                 raise ValueError(f"train-head: --init-head's {name} has shape "
                                  f"{list(old[name].shape)}, this head needs {list(p.shape)}")

@@ -168,6 +168,14 @@ def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
     assert first == reference_first_draft(probe.head, features, history)
 
 
+def engine_with_head(path: str, head: Eagle3Head) -> Engine:
+    """A 2-sequence engine drafting with `head`, saved (fp32) to `path` first."""
+    head.save(path, dtype=torch.float32)
+    return Engine(model="default", spec_type=["eagle3"],
+                  spec_options={"eagle3": {"head": path, "kv_dtype": "float32"}},
+                  max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
+
+
 @torch.inference_mode()
 def test_a_head_reading_four_layers_up_to_the_last_drafts_from_them(tmp_path, target_config):
     """An EAGLE-3 head may read more than three layers and the last layer's output (aux id L,
@@ -177,11 +185,8 @@ def test_a_head_reading_four_layers_up_to_the_last_drafts_from_them(tmp_path, ta
 
     path = str(tmp_path / "head4")
     aux = (2, 15, 27, target_config.num_layers)
-    Eagle3Head.random(target_config, torch.arange(0, target_config.vocab_size, 7), seed=3,
-                      aux_layer_ids=aux).save(path, dtype=torch.float32)
-    engine = Engine(model="default", spec_type=["eagle3"],
-                    spec_options={"eagle3": {"head": path, "kv_dtype": "float32"}},
-                    max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
+    engine = engine_with_head(path, Eagle3Head.random(
+        target_config, torch.arange(0, target_config.vocab_size, 7), seed=3, aux_layer_ids=aux))
     probe = engine.speculator("eagle3")
     assert probe.hidden_layers == (1, 14, 26, target_config.num_layers - 1)
     engine.chain.probe_interval = 0
@@ -619,11 +624,9 @@ def test_a_head_with_a_wider_mlp_than_the_target_runs_on_the_native_layer(tmp_pa
 
     path = str(tmp_path / "wide")
     width = 2 * target_config.intermediate_size
-    Eagle3Head.random(target_config, torch.arange(0, target_config.vocab_size, 7), seed=4,
-                      intermediate_size=width).save(path, dtype=torch.float32)
-    engine = Engine(model="default", spec_type=["eagle3"],
-                    spec_options={"eagle3": {"head": path, "kv_dtype": "float32"}},
-                    max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
+    engine = engine_with_head(path, Eagle3Head.random(
+        target_config, torch.arange(0, target_config.vocab_size, 7), seed=4,
+        intermediate_size=width))
     probe = engine.speculator("eagle3")
     assert probe.head.config.intermediate_size == width
     from speculant.kernels import native_available
