@@ -126,7 +126,9 @@ def prompt_logits(model, ids: list[int], kv_dtype=None, num_prompt_tokens: int |
 
     from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 
-    block_size = 16
+    from speculant.kernels.kv_layout import TILE_BLOCK, is_tile_layout
+
+    block_size = TILE_BLOCK if is_tile_layout(kv_dtype) else 16
     cache = model.new_kv_cache(num_blocks=len(ids) // block_size + 1, block_size=block_size,
                                dtype=kv_dtype or torch.float32)
     cache.allocate(0)

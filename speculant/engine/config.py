@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from speculant.engine.kv_cache import KV_DTYPES
+from speculant.kernels.kv_layout import TILE_BLOCK
+from speculant.kernels.native import tile_kv_cache
 from speculant.engine.state_checkpoint import CKPT_MODES
 from speculant.models.loader import DTYPES
 
@@ -15,6 +17,18 @@ def parse_spec_types(value) -> list[str]:
     items = value.split(",") if isinstance(value, str) else list(value)
     names = [s.strip().replace("-", "_") for s in items if s and s.strip()]
     return [] if names in ([], ["none"]) else names
+
+
+def auto_kv_dtype(dtype: str, device: str) -> str:
+    """float32 with float32 weights (reference numerics, as transformers computes); else
+    bfloat16 where the CPU attends a cache in the AMX tiles' layout (its logits sit as close to
+    an fp32 cache's as fp16's do, and a verified row's attention costs a fraction: docs/
+    kernels.md), else float16."""
+    if dtype == "float32":
+        return "float32"
+    if device == "cpu" and tile_kv_cache():
+        return "bfloat16"
+    return "float16"
 
 
 @dataclass(slots=True)
@@ -31,10 +45,10 @@ class EngineConfig:
     max_prefill_chunk_decoding: int = 32
     max_model_len: int | None = None  # None = the model's context length
     kv_cache_tokens: int = 32768  # KV capacity shared by all sequences
-    # KV cache element type: float16 (llama.cpp's default too) or float32; auto = float32 with
-    # float32 weights (reference numerics, as transformers computes), else float16
+    # KV cache element type: float16 (llama.cpp's default too), float32, or bfloat16 (in the AMX
+    # tiles' layout, attended on them: CPUs with AMX-BF16); auto: auto_kv_dtype
     kv_dtype: str = "auto"
-    block_size: int = 16
+    block_size: int = 0  # positions per cache block; 0 = the cache's own: 16, 32 for bfloat16
     # Speculation: speculators loaded (the chain), and the default draft limits per request.
     spec_type: list[str] = field(default_factory=list)
     spec_n_max: int = 16
@@ -48,6 +62,9 @@ class EngineConfig:
     # Online tuner of the draft limit from measured goodput (engine/tuner.py); requests that
     # set their own n_max are not tuned.
     spec_tune: bool = False
+    # set when kv_dtype came from auto: an engine whose model cannot use the tiles' layout
+    # (head_dim) then keeps float16 instead of refusing (Engine._resolve_kv_dtype)
+    kv_dtype_auto: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.spec_type = parse_spec_types(self.spec_type)
@@ -55,7 +72,14 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be auto or one of {tuple(KV_DTYPES)}, "
                              f"got {self.kv_dtype!r}")
         if self.kv_dtype == "auto":
-            self.kv_dtype = "float32" if self.dtype == "float32" else "float16"
+            self.kv_dtype, self.kv_dtype_auto = auto_kv_dtype(self.dtype, self.device), True
+        if self.block_size == 0:
+            self.block_size = TILE_BLOCK if self.kv_dtype == "bfloat16" else 16
+        if self.kv_dtype == "bfloat16" and self.block_size % TILE_BLOCK:
+            if not self.kv_dtype_auto:
+                raise ValueError(f"kv_dtype bfloat16 needs block_size a multiple of "
+                                 f"{TILE_BLOCK}, got {self.block_size}")
+            self.kv_dtype = "float16"  # auto, with a block size chosen for another cache
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk_decoding",

@@ -25,6 +25,8 @@ from speculant.engine.detokenizer import Detokenizer
 from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES
 from speculant.kernels.argmax import row_argmax
+from speculant.kernels.kv_layout import check_tile_shape
+from speculant.kernels.native import kernel_path, tile_kv_cache
 from speculant.models.loader import load_model
 from speculant.models.hybrid import hybrid_model
 from speculant.models.llama import Model
@@ -106,6 +108,7 @@ class Engine:
         self.model_path = loaded.files.path
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
+        _resolve_kv_dtype(config, loaded.config.head_dim)
         self.cache = self.model.new_kv_cache(
             -(-config.kv_cache_tokens // config.block_size), config.block_size,
             KV_DTYPES[config.kv_dtype])
@@ -122,7 +125,8 @@ class Engine:
                                 max_seq_len=self.max_model_len, device=config.device,
                                 tokenizer=self.tokenizer, target=TargetView(
                                     loaded.config, self.model_path, self.model.embed_tokens,
-                                    self.model.final_norm, self.model.lm_head))
+                                    self.model.final_norm, self.model.lm_head),
+                                kv_dtype=config.kv_dtype)
         self.chain = SpeculatorChain(create_speculators(config, ctx))
         self.cost = StepCostModel()
         self.tuner = SpecTuner(TunerConfig(), config.spec_n_max) if config.spec_tune else None
@@ -631,6 +635,27 @@ class Engine:
         if seq.is_finished and seq.stop_text_len is None:
             seq.detokenizer.flush()
         return seq.detokenizer.text
+
+
+def _resolve_kv_dtype(config: EngineConfig, head_dim: int) -> None:
+    """A bfloat16 cache is in the AMX tiles' layout, which only the tile kernels attend fast and
+    only for some head sizes: chosen by auto, a model they do not fit keeps float16; asked for,
+    it is refused by name on a CPU without them (the PyTorch fallback would run it ~50x slower)
+    or for a head size they do not take."""
+    if config.kv_dtype != "bfloat16":
+        return
+    try:
+        check_tile_shape(config.block_size, head_dim)
+    except ValueError:
+        if not config.kv_dtype_auto:
+            raise
+        config.kv_dtype, config.block_size = "float16", 16
+        return
+    if torch.device(config.device).type == "cpu" and not tile_kv_cache():
+        raise ValueError("kv_dtype bfloat16 keeps the KV cache in the AMX tiles' layout and needs "
+                         "a CPU with AMX-BF16 and AVX512_BF16 (lscpu flags amx_bf16 "
+                         f"avx512_bf16) and the native kernels; this one runs "
+                         f"{kernel_path()}: use float16")
 
 
 def _check_same_target(shared: EngineConfig, config: EngineConfig) -> None:

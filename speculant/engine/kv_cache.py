@@ -1,7 +1,8 @@
 """Paged KV cache shared by many sequences, with O(1) rollback.
 
 Memory layout, per layer: `v[layer]` is [num_blocks, block_size, num_kv_heads, head_dim], `k[layer]`
-is [num_blocks, num_kv_heads, head_dim, block_size] (transposed blocks: kernels/kv_layout.py).
+is [num_blocks, num_kv_heads, head_dim, block_size] (transposed blocks: kernels/kv_layout.py); a
+bfloat16 cache is in the AMX tiles' layout (same module).
 A sequence owns an ordered list of blocks (its block table); token at position p lives in block
 `table[p // block_size]`, row `p % block_size`. Entries are written at absolute positions, so
 rolling a sequence back to n tokens only lowers its length (and returns whole unused blocks to
@@ -12,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from speculant.kernels.huge_pages import empty_on_huge_pages
-from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
+from speculant.kernels.kv_layout import check_tile_shape, is_tile_layout, k_cache_shape, v_cache_shape
 
 
 # Element types a cache can hold, by the name the CLI and configs use. float16 halves the memory
-# and the bytes attention reads per step; K and V are rounded to it when written.
-KV_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+# and the bytes attention reads per step; K and V are rounded to it when written. bfloat16 is
+# kept in the AMX tiles' layout and attended on them (kernels/kv_layout.py; CPUs with AMX-BF16).
+KV_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class CacheFullError(RuntimeError):
@@ -30,13 +32,20 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
+        if is_tile_layout(dtype):
+            check_tile_shape(block_size, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        k_shape = k_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        v_shape = v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        k_shape = k_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        v_shape = v_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, dtype)
         # Uninitialised on purpose: entries beyond a sequence's length are never read. On the
         # CPU on 2 MB pages: attention streams each sequence's cache every step.
         kv = empty_on_huge_pages([k_shape] * num_layers + [v_shape] * num_layers, dtype, device)
+        if is_tile_layout(dtype):
+            # the tiles multiply whole blocks: a numerator of exactly 0 meets the V entries past a
+            # sequence's length, which must then be finite (0 x NaN is NaN): zeros until written
+            for t in kv:
+                t.zero_()
         self.k, self.v = kv[:num_layers], kv[num_layers:]
         # Pop from the end: low block ids are handed out first, which keeps tests readable.
         self._free_blocks: list[int] = list(range(num_blocks - 1, -1, -1))

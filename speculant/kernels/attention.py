@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from speculant.kernels.kv_layout import cache_block_size, gather_k, gather_v, native_block_size
-from speculant.kernels.native import native_available
+from speculant.kernels.kv_layout import (cache_block_size, cache_heads, gather_k, gather_v,
+                                         is_tile_layout, native_block_size)
+from speculant.kernels.native import native_available, tile_kv_cache
 
 FALLBACK_TOKEN_CHUNK = 64  # query tokens gathered at once by the fallback (bounds its memory)
 
@@ -51,7 +52,8 @@ def paged_attention(
 
 def _native_op(q: torch.Tensor, v_cache: torch.Tensor):
     if (q.is_cpu and v_cache.is_cpu and q.shape[-1] % 8 == 0
-            and native_block_size(cache_block_size(v_cache)) and native_available()):
+            and native_block_size(cache_block_size(v_cache)) and native_available()
+            and (not is_tile_layout(v_cache.dtype) or tile_kv_cache())):
         return torch.ops.speculant.paged_attention.default
     return None
 
@@ -69,7 +71,7 @@ def _fallback(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale) ->
 def _attend_chunk(q, k_cache, v_cache, block_tables, seq, pos, scale) -> torch.Tensor:
     # q [T, Hq, D]; seq, pos [T] int64 -> [T, Hq, D]
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = v_cache.shape
+    block_size, (num_kv_heads, _) = cache_block_size(v_cache), cache_heads(v_cache)
     group = num_heads // num_kv_heads
     length = int(pos.max()) + 1  # one host sync per chunk: the fallback is not the fast path
     p = torch.arange(length, device=q.device)  # [L]

@@ -42,15 +42,17 @@ class BenchConfig:
     threads: int = 0  # torch.set_num_threads; 0 keeps torch's default
     context: int = 128  # attention: KV positions before the query tokens
     paths: str = ""  # kernel paths to time the kernels on as well (comma-separated)
-    kv_dtype: str = "float32"  # attention: the KV cache's dtype (float32 or float16)
+    kv_dtype: str = "float32"  # attention: the KV cache's dtype (float32, float16, bfloat16)
+    block_size: int = 16  # attention: positions per cache block
 
     def __post_init__(self):
         if not self.row_counts or min(self.row_counts) < 1:
             raise ValueError(f"--ms must list positive row counts, got {self.ms!r}")
         if self.budget <= 0:
             raise ValueError(f"--budget must be positive, got {self.budget}")
-        if self.kv_dtype not in ("float32", "float16"):
-            raise ValueError(f"--kv_dtype must be float32 or float16, got {self.kv_dtype!r}")
+        if self.kv_dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"--kv_dtype must be float32, float16 or bfloat16 (the tiles' "
+                             f"layout), got {self.kv_dtype!r}")
 
     @property
     def row_counts(self) -> list[int]:
@@ -96,14 +98,16 @@ def bench_linear(cfg: BenchConfig) -> list[dict]:
 
 
 def bench_attention(cfg: BenchConfig) -> dict:
-    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, cfg.block_size
     row = {"shape": f"attention ctx={cfg.context}", "kv_dtype": cfg.kv_dtype}
     for m in cfg.row_counts:
         length = cfg.context + m
         num_blocks = -(-length // block_size)
         dtype = getattr(torch, cfg.kv_dtype)
-        k_cache = torch.randn(k_cache_shape(num_blocks, block_size, kv_heads, head_dim)).to(dtype)
-        v_cache = torch.randn(v_cache_shape(num_blocks, block_size, kv_heads, head_dim)).to(dtype)
+        k_cache = torch.randn(k_cache_shape(num_blocks, block_size, kv_heads, head_dim,
+                                            dtype)).to(dtype)
+        v_cache = torch.randn(v_cache_shape(num_blocks, block_size, kv_heads, head_dim,
+                                            dtype)).to(dtype)
         tables = torch.randperm(num_blocks, dtype=torch.int32)[None]  # [1, num_blocks]
         q = torch.randn(m, heads, head_dim)
         seq = torch.zeros(m, dtype=torch.int32)

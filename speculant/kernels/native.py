@@ -122,6 +122,13 @@ def prompt_attention() -> str:
     return str(ops.prompt_attention()) if ops is not None else "fp32"
 
 
+def tile_kv_cache() -> bool:
+    """Whether attention runs natively over a bfloat16 KV cache in the AMX tiles' layout
+    (kernels/kv_layout.py): a CPU with AMX-BF16 and AVX512_BF16, and the native kernels."""
+    ops = load_ops()
+    return bool(ops.tile_kv_cache()) if ops is not None else False
+
+
 def forced_prompt_attention(mode: str):
     """Runs the block with prompt attention `mode` ("auto" or "fp32"), then restores the
     previous setting (tests and A/B measurements)."""
@@ -259,7 +266,8 @@ def _register_fakes() -> None:
     @torch.library.register_fake("speculant::rope_write_kv")
     def _(qkv, bias, q_norm, k_norm, eps, cos, sin, positions, k_cache, v_cache, slot_mapping,
           num_heads):
-        return qkv.new_empty(qkv.shape[0], num_heads, v_cache.shape[3])
+        return qkv.new_empty(qkv.shape[0], num_heads, qkv.shape[1] // (num_heads + 2 * (
+            v_cache.shape[1] if v_cache.dim() == 5 else v_cache.shape[2])))
 
     @torch.library.register_fake("speculant::decoder_stack")
     def _(h, stack, k_caches, v_caches, cos, sin, positions, slot_mapping, block_tables,

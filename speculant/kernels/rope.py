@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from speculant.kernels.kv_layout import write_kv
+from speculant.kernels.kv_layout import cache_heads, write_kv
 from speculant.kernels.rowwise import rms_norm_reference, use_native
 
 
@@ -52,7 +52,7 @@ def rope_write_kv(
             qkv, bias, q_norm, k_norm, eps, cos, sin, positions, k_cache, v_cache, slot_mapping,
             num_heads)
     num_tokens = qkv.shape[0]
-    num_kv_heads, head_dim = v_cache.shape[2], v_cache.shape[3]
+    num_kv_heads, head_dim = cache_heads(v_cache)
     if bias is not None:
         qkv = qkv + bias
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim,

@@ -327,6 +327,7 @@ class SpeculatorContext:
     # The target's tokenizer: model drafters check their vocabulary against it.
     tokenizer: object | None = None
     target: TargetView | None = None  # for drafters that read the target's features
+    kv_dtype: str = "float16"  # the target's KV cache element type (engine/kv_cache.py)
 
 
 class Speculator(ABC):
@@ -413,8 +414,9 @@ def check_model_drafter_config(who: str, config) -> None:
     cache (`kv_dtype`, `kv_cache_tokens`, `block_size`) and its draft `temperature`."""
     from speculant.engine.kv_cache import KV_DTYPES
 
-    if config.kv_dtype not in KV_DTYPES:
-        raise ValueError(f"{who}: kv_dtype must be one of {tuple(KV_DTYPES)}, got {config.kv_dtype!r}")
+    if config.kv_dtype not in ("auto", *KV_DTYPES):
+        raise ValueError(f"{who}: kv_dtype must be auto or one of {tuple(KV_DTYPES)}, "
+                         f"got {config.kv_dtype!r}")
     for name in ("kv_cache_tokens", "block_size"):
         if getattr(config, name) < 1:
             raise ValueError(f"{who}: {name} must be >= 1, got {getattr(config, name)}")

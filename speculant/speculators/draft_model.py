@@ -26,6 +26,7 @@ import torch
 from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError
 from speculant.kernels.argmax import row_argmax
+from speculant.kernels.kv_layout import TILE_BLOCK, check_tile_shape
 from speculant.speculators.base import (Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext,
                                         TargetDraws, check_model_drafter_config)
 from speculant.speculators.continuation import ContinuationRecord
@@ -48,7 +49,8 @@ class DraftModelConfig:
       never the output, and Q8_0 runs the shipped 4-layer draft 1.6x (catching up) to 2x (one
       token) faster than F32 on AVX2.
     - kv_cache_tokens: capacity of the shared draft KV cache (all sequences).
-    - kv_dtype: its element type, float16 or float32.
+    - kv_dtype: its element type, float16, float32 or bfloat16; auto (default): the target's
+      (float16 under a float32 target).
     - max_chunk_tokens: longest catch-up evaluated in one draft forward (long prompts are
       mirrored over several rounds; the sequence drafts once it has caught up).
     - context_tokens: 0 = the draft reads a sequence's whole history; N > 0 = when more than N
@@ -67,7 +69,7 @@ class DraftModelConfig:
     model: str = ""
     dtype: str = "auto"
     kv_cache_tokens: int = 32768
-    kv_dtype: str = "float16"
+    kv_dtype: str = "auto"
     block_size: int = 16
     max_chunk_tokens: int = 1024
     context_tokens: int = 256
@@ -87,6 +89,22 @@ class DraftModelConfig:
         check_model_drafter_config("draft", self)
 
 
+def draft_cache_kind(config: DraftModelConfig, target_kv_dtype: str,
+                     head_dim: int) -> tuple[str, int]:
+    """(kv_dtype, block_size) of the draft's cache: auto takes the target's element type, so a
+    draft that shares the target's layers computes what the target does (a bfloat16 tile cache
+    with 32-position blocks where the draft's heads suit the tiles, else float16)."""
+    if config.kv_dtype != "auto":
+        return config.kv_dtype, config.block_size
+    if target_kv_dtype == "bfloat16":
+        try:
+            check_tile_shape(TILE_BLOCK, head_dim)
+            return "bfloat16", TILE_BLOCK
+        except ValueError:
+            return "float16", config.block_size
+    return ("float16" if target_kv_dtype == "float32" else target_kv_dtype), config.block_size
+
+
 class DraftModelSpeculator(Speculator):
     name = "draft"
     config_class = DraftModelConfig
@@ -103,8 +121,9 @@ class DraftModelSpeculator(Speculator):
         self.model = model
         self.tokenizer = tokenizer
         self.max_positions = model.config.max_position_embeddings
-        self.cache = model.new_kv_cache(-(-config.kv_cache_tokens // config.block_size),
-                                        config.block_size, KV_DTYPES[config.kv_dtype])
+        kv_dtype, block_size = draft_cache_kind(config, ctx.kv_dtype, model.config.head_dim)
+        self.cache = model.new_kv_cache(-(-config.kv_cache_tokens // block_size), block_size,
+                                        KV_DTYPES[kv_dtype])
         self.vocab_size = min(ctx.vocab_size, model.config.vocab_size)
         self.eos_token_ids = frozenset(ctx.eos_token_ids)
         # [n] int64: the token of each column of the draft's logits; None = column i is token i

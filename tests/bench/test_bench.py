@@ -447,7 +447,10 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert set(report) == TOP_KEYS and report["methods"] == ["plain", "suffix"]
     assert report["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                                   "verify": "auto"}
-    assert (report["dtype"], report["kv_dtype"]) == ("auto", "float16")
+    from speculant.kernels.native import tile_kv_cache
+
+    auto_kv = "bfloat16" if tile_kv_cache() else "float16"  # the AMX tiles' layout where it runs
+    assert (report["dtype"], report["kv_dtype"]) == ("auto", auto_kv)
     assert report["interleave_s"] is None  # --no-interleave: one engine, methods in turn
     assert all(set(r) == RESULT_KEYS for r in report["results"])
     assert report["categories"]["qa"]["methods"]["suffix"]["1"]["identical_to_plain"] == 1

@@ -138,15 +138,24 @@ def test_stop_string_token_count_does_not_depend_on_speculation(default_engine):
     assert outs["spec"][2] == "stop"  # the model does repeat the text: the stop string is hit
 
 
+def quantized_auto_kv_dtype() -> str:
+    """What auto gives quantized weights here: the AMX tiles' bfloat16 layout where the CPU
+    attends it, else fp16 (llama.cpp's default)."""
+    from speculant.kernels.native import tile_kv_cache
+
+    return "bfloat16" if tile_kv_cache() else "float16"
+
+
 @pytest.mark.parametrize("overrides, kv_dtype", [
-    ({}, "float16"),  # quantized weights: an fp16 cache, as llama.cpp's default
+    ({}, None),  # quantized weights: quantized_auto_kv_dtype()
     ({"dtype": "float32"}, "float32"),  # reference numerics keep a float32 cache
     ({"dtype": "float32", "kv_dtype": "float16"}, "float16"),
+    ({"kv_dtype": "auto", "block_size": 16}, "float16"),  # a block size the tiles cannot take
 ])
 def test_kv_dtype_auto_follows_the_weights(overrides, kv_dtype):
     from speculant.engine.config import EngineConfig
 
-    assert EngineConfig(**overrides).kv_dtype == kv_dtype
+    assert EngineConfig(**overrides).kv_dtype == (kv_dtype or quantized_auto_kv_dtype())
 
 
 def test_bad_kv_dtype_is_named():
@@ -156,8 +165,9 @@ def test_bad_kv_dtype_is_named():
         EngineConfig(kv_dtype="bfloat8")
 
 
-def test_default_engine_keeps_an_fp16_cache(default_engine):
-    assert all(k.dtype == torch.float16 for k in default_engine.cache.k + default_engine.cache.v)
+def test_default_engine_keeps_the_auto_cache(default_engine):
+    want = getattr(torch, quantized_auto_kv_dtype())
+    assert all(k.dtype == want for k in default_engine.cache.k + default_engine.cache.v)
 
 
 def test_reset_stats_forgets_the_fitted_step_cost(default_engine):

@@ -36,6 +36,11 @@
 // softmax and value sums on bf16 tiles with split operands instead (avx512/attention_amx.cpp):
 // within fp32 rounding of these loops, not bit-identical, batch-invariant all the same; a run
 // never mixes prompt and generated positions, and generated ones always take the loops here.
+//
+// A bf16 cache is kept in the tiles' own layout (kernels/kv_layout.py) and every query position,
+// prompt or generated, runs on AMX-BF16 tiles straight from it (avx512/attention_tiles.cpp): a
+// unit's query rows (tokens x heads of one KV head, up to 16 a tile) share each tile product, so
+// a verification chunk of a few tokens costs about what one decode token does.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -76,7 +81,15 @@ constexpr int64_t kScorePass = 8;
 // Below this many (position, query head) pairs, ~5 us of work, one thread does it all.
 constexpr int64_t kMinParallelWork = 512;
 
-// KV: the cache's element type, float or uint16_t (fp16 bit patterns, converted on load).
+// A bf16 element of a cache in the AMX tiles' layout (kernels/kv_layout.py): K blocks [Hkv, D / 2,
+// block_size, 2], V blocks [Hkv, block_size / 2, D, 2]; attended on the tiles alone
+// (avx512/attention_tiles.cpp), every query position alike.
+struct TileKV {
+  uint16_t bits;
+};
+
+// KV: the cache's element type, float or uint16_t (fp16 bit patterns, converted on load), or
+// TileKV.
 template <typename KV>
 struct Problem {
   const float* q;          // [T, Hq, D]
@@ -402,23 +415,58 @@ void values_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, float* sco
   }
 }
 
-// Positions [part * kPartition, ...) of the unit's queries (token t attends to 0..pos[t]): the
+// A cache in the tiles' layout: every query of the unit over the partition's n_max positions in
+// one call (attention_wide.h), its partials straight into `out`.
+template <typename KV>
+void attend_partition_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, int64_t n_max,
+                            Scratch<KV>& sc, const Partials& out) {
+  const int64_t D = pb.head_dim, BS = pb.block_size, Hkv = pb.num_kv_heads;
+  const int64_t group = pb.num_heads / Hkv, heads = u.h1 - u.h0;
+  const int64_t p_begin = part * kPartition;
+  const int32_t* table = pb.tables + pb.seq[u.t0] * pb.max_blocks + p_begin / BS;
+  const int64_t num_blocks = (n_max + BS - 1) / BS;
+  sc.k_vecs.resize(num_blocks);  // here: each block's K, then V, at KV head kvh
+  sc.v_rows.resize(num_blocks);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t at = (static_cast<int64_t>(table[b]) * Hkv + u.kvh) * D * BS;
+    sc.k_vecs[b] = pb.k + at;
+    sc.v_rows[b] = pb.v + at;
+  }
+  sc.q_rows.clear();
+  sc.lengths.clear();
+  sc.value_sums.clear();
+  sc.maxes.clear();
+  sc.sums.clear();
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
+    if (n <= 0) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t head = u.kvh * group + u.h0 + h, e = out.entry(t, part, head);
+      sc.q_rows.push_back(pb.q + (t * pb.num_heads + head) * D);
+      sc.lengths.push_back(n);
+      sc.value_sums.push_back(out.acc + e * D);
+      sc.maxes.push_back(out.max + e);
+      sc.sums.push_back(out.sum + e);
+    }
+  }
+  attention_partition_tiles(sc.q_rows.data(), sc.lengths.data(),
+                            static_cast<int64_t>(sc.q_rows.size()),
+                            reinterpret_cast<const uint16_t* const*>(sc.k_vecs.data()),
+                            reinterpret_cast<const uint16_t* const*>(sc.v_rows.data()), n_max, BS,
+                            D, pb.scale, sc.value_sums.data(), sc.maxes.data(), sc.sums.data());
+}
+
+// attend_partition on an fp32 or fp16 cache, over the partition's first n_max positions: the
 // scores of every query, chunk by chunk (each chunk's K rows come from memory once and serve
 // every query of the unit); then per token its heads' softmax numerators and exp-weighted value
 // sums, heads in tiles that share each V row load. The V rows are prefetched along with the K
 // rows, so the value sums find them in cache.
 template <typename KV>
-void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratch<KV>& sc,
-                      const Partials& out) {
+void attend_partition_loops(const Problem<KV>& pb, const Unit& u, int64_t part, int64_t n_max,
+                            Scratch<KV>& sc, const Partials& out) {
   const int64_t D = pb.head_dim, Hq = pb.num_heads;
   const int64_t group = Hq / pb.num_kv_heads, heads = u.h1 - u.h0;
-  const int64_t p_begin = part * kPartition;
-  int64_t p_end = p_begin;  // one past the last position any query of the unit reads here
-  for (int64_t t = u.t0; t < u.t1; ++t) {
-    p_end = std::max<int64_t>(p_end, std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition));
-  }
-  const int64_t n_max = p_end - p_begin;
-  if (n_max <= 0) return;
+  const int64_t p_begin = part * kPartition, p_end = p_begin + n_max;
   const int64_t num_queries = (u.t1 - u.t0) * heads;
   // one query's scores in the scratch (whole 16-position tiles on the AMX-BF16 path)
   const int64_t stride = u.tiles ? (n_max + 15) / 16 * 16 : (n_max + 7) / 8 * 8;
@@ -461,6 +509,25 @@ void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratc
     values_wide(pb, u, part, scores, stride, sc, out);
   } else {
     values_by_token(pb, u, part, scores, stride, sc, out);
+  }
+}
+
+// Positions [part * kPartition, ...) of the unit's queries (token t attends to 0..pos[t]), on the
+// cache's own path.
+template <typename KV>
+void attend_partition(const Problem<KV>& pb, const Unit& u, int64_t part, Scratch<KV>& sc,
+                      const Partials& out) {
+  const int64_t p_begin = part * kPartition;
+  int64_t p_end = p_begin;  // one past the last position any query of the unit reads here
+  for (int64_t t = u.t0; t < u.t1; ++t) {
+    p_end = std::max<int64_t>(p_end, std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition));
+  }
+  const int64_t n_max = p_end - p_begin;
+  if (n_max <= 0) return;
+  if constexpr (std::is_same_v<KV, TileKV>) {
+    attend_partition_tiles(pb, u, part, n_max, sc, out);
+  } else {
+    attend_partition_loops(pb, u, part, n_max, sc, out);
   }
 }
 
@@ -539,7 +606,7 @@ std::vector<Unit> make_runs(const Problem<KV>& pb, int64_t T) {
   for (int64_t t0 = 0; t0 < T;) {
     const bool tiles = pb.prompt_token(t0);
     int64_t t1 = t0 + 1;
-    const int64_t longest = tiles ? kTileRunTokens : kRunTokens;
+    const int64_t longest = tiles || std::is_same_v<KV, TileKV> ? kTileRunTokens : kRunTokens;
     while (t1 < T && t1 - t0 < longest && pb.seq[t1] == pb.seq[t0] &&
            pb.prompt_token(t1) == tiles) {
       ++t1;
@@ -647,9 +714,54 @@ template <typename KV>
 const KV* cache_data(const at::Tensor& t) {
   if constexpr (std::is_same_v<KV, float>) {
     return t.const_data_ptr<float>();
+  } else if constexpr (std::is_same_v<KV, TileKV>) {
+    return reinterpret_cast<const TileKV*>(t.const_data_ptr<at::BFloat16>());
   } else {
     return reinterpret_cast<const uint16_t*>(t.const_data_ptr<at::Half>());
   }
+}
+
+void check_indices(const at::Tensor& block_tables, const at::Tensor& token_seq,
+                   const at::Tensor& token_pos, int64_t T) {
+  check(block_tables.scalar_type() == at::kInt && token_seq.scalar_type() == at::kInt &&
+            token_pos.scalar_type() == at::kInt,
+        "block_tables, token_seq, token_pos must be int32");
+  check(block_tables.dim() == 2, "block_tables must be [S, max_blocks]");
+  check(token_seq.numel() == T && token_pos.numel() == T,
+        "token_seq, token_pos must have T entries");
+}
+
+// A bf16 cache in the tiles' layout (kernels/kv_layout.py): every query on AMX-BF16 tiles.
+at::Tensor attend_tile_cache(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& block_tables,
+                             const at::Tensor& token_seq, const at::Tensor& token_pos,
+                             double scale) {
+  check(k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+        "a bfloat16 cache needs K and V both bfloat16");
+  check(tile_kv_shapes_match(k_cache, v_cache),
+        "expected a bfloat16 cache in the tiles' layout: K [blocks, Hkv, D / 2, block_size, 2], "
+        "V [blocks, Hkv, block_size / 2, D, 2]");
+  check(tile_kv_cache(), "a bfloat16 KV cache is attended on AMX-BF16 tiles, which this CPU "
+        "lacks (needs amx_bf16 and avx512_bf16, and the OS's leave to use tiles)");
+  check(q.dim() == 3, "expected q [T, Hq, D]");
+  check_indices(block_tables, token_seq, token_pos, q.size(0));
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), num_blocks = k_cache.size(0);
+  const int64_t block_size = k_cache.size(3);
+  check(v_cache.size(3) == D && D % 32 == 0 && D <= 128,
+        "a bfloat16 cache needs head_dim a multiple of 32 up to 128, matching q");
+  check(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
+  check(block_size % 32 == 0 && kPartition % block_size == 0,
+        "a bfloat16 cache needs block_size a multiple of 32 that divides 256");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const Problem<TileKV> pb{q.const_data_ptr<float>(), cache_data<TileKV>(k_cache),
+                           cache_data<TileKV>(v_cache), block_tables.const_data_ptr<int32_t>(),
+                           token_seq.const_data_ptr<int32_t>(),
+                           token_pos.const_data_ptr<int32_t>(), out.data_ptr<float>(), Hq, Hkv,
+                           D, block_size, block_tables.size(1), static_cast<float>(scale), true,
+                           nullptr, false};
+  attend(pb, T, block_tables.size(0), num_blocks);
+  return out;
 }
 
 }  // namespace
@@ -665,8 +777,11 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   const at::Tensor q = q_in.contiguous(), k_cache = k_in.contiguous(), v_cache = v_in.contiguous();
   const at::Tensor block_tables = tables_in.contiguous(), token_seq = seq_in.contiguous();
   const at::Tensor token_pos = pos_in.contiguous();
-  const bool half = k_cache.scalar_type() == at::kHalf;
   check(q.scalar_type() == at::kFloat, "q must be float32");
+  if (k_cache.scalar_type() == at::kBFloat16 || v_cache.scalar_type() == at::kBFloat16) {
+    return attend_tile_cache(q, k_cache, v_cache, block_tables, token_seq, token_pos, scale);
+  }
+  const bool half = k_cache.scalar_type() == at::kHalf;
   check(k_cache.scalar_type() == v_cache.scalar_type() && (half || k_cache.scalar_type() == at::kFloat),
         "the caches must be both float32 or both float16");
   check(block_tables.scalar_type() == at::kInt && token_seq.scalar_type() == at::kInt &&

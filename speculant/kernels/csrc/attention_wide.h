@@ -54,4 +54,18 @@ bool attention_softmax_values_amx_bf16(const float* const* scores, const int64_t
                                        int64_t n_max, int64_t D, float* const* outs,
                                        float* const* maxes, float* const* sums);
 
+// AMX-BF16 over a bf16 cache in the tiles' layout (avx512/attention_tiles.cpp; K blocks [Hkv,
+// D / 2, block_size, 2], V blocks [Hkv, block_size / 2, D, 2], kernels/kv_layout.py): for each
+// query j < num_queries over positions p < lengths[j] (1 <= lengths[j] <= n_max) of one
+// partition, whose blocks' K and V at the unit's KV head start at k_blocks[p / block_size] and
+// v_blocks[p / block_size]: *maxes[j] = the max of the scores scale * q.k, *sums[j] = the sum of
+// e_p = exp(score - max), outs[j][d] = sum_p e_p * v_p[d]. Not bit-identical to the fp32 loops
+// (see that file), batch-invariant. Returns false, computing nothing, unless head_dim is a
+// multiple of 32 up to 128 and block_size a multiple of 32.
+bool attention_partition_tiles(const float* const* q_rows, const int64_t* lengths,
+                               int64_t num_queries, const uint16_t* const* k_blocks,
+                               const uint16_t* const* v_blocks, int64_t n_max,
+                               int64_t block_size, int64_t D, float scale, float* const* outs,
+                               float* const* maxes, float* const* sums);
+
 }  // namespace speculant

@@ -205,6 +205,11 @@ bool prompt_attention_tiles() {
   return wanted == 1 && available && active_kernel_path() == KernelPath::kAmxInt8;
 }
 
+bool tile_kv_cache() {
+  static const bool available = has_amx_bf16();
+  return available;
+}
+
 std::string prompt_attention() { return prompt_attention_tiles() ? "amx_bf16" : "fp32"; }
 
 std::string set_prompt_attention(const std::string& mode) {

@@ -28,6 +28,11 @@ bool wide_attention(KernelPath path);
 // the other paths); generated positions always take the fp32 path.
 bool prompt_attention_tiles();
 
+// Whether this CPU can attend over a bf16 KV cache in the AMX tiles' layout (avx512/
+// attention_tiles.cpp): AMX-BF16 and AVX512_BF16, and the OS's leave to use tiles. Whatever the
+// active path: the cache's dtype, chosen when it is made, decides how it is attended.
+bool tile_kv_cache();
+
 // How many weight blocks ahead the AVX-512 VNNI and AVX2 kernels request into L1 (0: none), chosen
 // once per process from the CPU (or SPECULANT_PREFETCH_BLOCKS, 0-64): a matter of the CPU's
 // hardware prefetchers, not of its instruction set. Measured on 2-core KVM guests (whole target

@@ -34,6 +34,7 @@ TORCH_LIBRARY(speculant, m) {
   m.def("set_kernel_path(str path) -> str", &speculant::set_kernel_path);
   m.def("weight_prefetch_blocks() -> int", &speculant::weight_prefetch_blocks);
   m.def("prompt_attention() -> str", &speculant::prompt_attention);
+  m.def("tile_kv_cache() -> bool", &speculant::tile_kv_cache);
   m.def("set_prompt_attention(str mode) -> str", &speculant::set_prompt_attention);
   m.def("set_weight_prefetch_blocks(int blocks) -> int", &speculant::set_weight_prefetch_blocks);
   m.def("decoder_stack_release(int stack) -> ()", &speculant::decoder_stack_release);

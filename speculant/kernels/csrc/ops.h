@@ -26,6 +26,15 @@ inline bool paged_kv_shapes_match(const at::Tensor& k_cache, const at::Tensor& v
          k_cache.size(3) == v_cache.size(1);
 }
 
+// Whether K [num_blocks, num_kv_heads, head_dim / 2, block_size, 2] and V [num_blocks,
+// num_kv_heads, block_size / 2, head_dim, 2] describe one bf16 cache in the AMX tiles' layout
+// (kernels/kv_layout.py), checked by its writer and its reader alike.
+inline bool tile_kv_shapes_match(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  return k_cache.dim() == 5 && v_cache.dim() == 5 && k_cache.size(0) == v_cache.size(0) &&
+         k_cache.size(1) == v_cache.size(1) && k_cache.size(4) == 2 && v_cache.size(4) == 2 &&
+         k_cache.size(2) * 2 == v_cache.size(3) && k_cache.size(3) == v_cache.size(2) * 2;
+}
+
 // x [M, in] f32 times a packed weight (layouts in linear.cpp) -> [M, out_features] f32.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& scales,

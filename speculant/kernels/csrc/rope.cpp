@@ -2,7 +2,8 @@
 // token: split the fused projection into q / k / v heads, add the QKV bias (Qwen2), RMS-normalize
 // each q and k head (Qwen3), rotate q and k (NeoX / HF RoPE), return q and write k and v straight
 // into the paged cache at the token's slot (V as a row of its block, K as a column of its
-// transposed block: kernels/kv_layout.py).
+// transposed block; a bf16 cache in the AMX tiles' layout takes both as element pairs:
+// kernels/kv_layout.py).
 //
 // The order of operations is the PyTorch reference's (bias, norm, rotate), each step rounding the
 // same way, so the result is bit-identical to it except for the norms' sum of squares (rows.h).
@@ -95,6 +96,29 @@ void store_column(const float* src, const float* bias, const float* norm, float 
   for (int64_t d = 0; d < D; ++d) dst[d * stride] = row[d];
 }
 
+// x rounded to the nearest bf16 (ties to even; a NaN stays a quiet NaN), as torch's
+// .to(torch.bfloat16).
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Where a cache in the AMX tiles' layout (kernels/kv_layout.py) keeps a token's K and V: K
+// blocks [Hkv, D / 2, block_size, 2], V blocks [Hkv, block_size / 2, D, 2], bf16.
+struct TileSlots {
+  int64_t Hkv, D, block_size;
+  // element of feature d of KV head h at row r of block b
+  int64_t k(int64_t b, int64_t h, int64_t r, int64_t d) const {
+    return ((b * Hkv + h) * (D / 2) + d / 2) * block_size * 2 + r * 2 + d % 2;
+  }
+  int64_t v(int64_t b, int64_t h, int64_t r, int64_t d) const {
+    return ((b * Hkv + h) * (block_size / 2) + r / 2) * D * 2 + d * 2 + r % 2;
+  }
+};
+
 }  // namespace
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>& bias,
@@ -108,15 +132,22 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
                   qkv.is_contiguous(),
               "speculant::rope_write_kv: qkv must be a contiguous 2-D float32 CPU tensor");
   const bool half = k_cache.scalar_type() == at::kHalf;
-  TORCH_CHECK(paged_kv_shapes_match(k_cache, v_cache) && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (half || k_cache.scalar_type() == at::kFloat) && k_cache.device().is_cpu() &&
-                  v_cache.device().is_cpu(),
-              "speculant::rope_write_kv: caches must be contiguous float32 or float16 CPU "
-              "tensors, K [num_blocks, num_kv_heads, head_dim, block_size] and V [num_blocks, "
-              "block_size, num_kv_heads, head_dim]");
-  const int64_t T = qkv.size(0), Hq = num_heads, Hkv = v_cache.size(2), D = v_cache.size(3);
-  const int64_t block_size = v_cache.size(1);
+  const bool tiles = k_cache.scalar_type() == at::kBFloat16;
+  const bool layout_ok = tiles ? tile_kv_shapes_match(k_cache, v_cache)
+                               : paged_kv_shapes_match(k_cache, v_cache);
+  TORCH_CHECK(layout_ok && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (half || tiles || k_cache.scalar_type() == at::kFloat) &&
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "speculant::rope_write_kv: caches must be contiguous CPU tensors, float32 or "
+              "float16 with K [num_blocks, num_kv_heads, head_dim, block_size] and V [num_blocks, "
+              "block_size, num_kv_heads, head_dim], or bfloat16 in the tiles' layout, K "
+              "[num_blocks, num_kv_heads, head_dim / 2, block_size, 2] and V [num_blocks, "
+              "num_kv_heads, block_size / 2, head_dim, 2]");
+  const int64_t T = qkv.size(0), Hq = num_heads;
+  const int64_t Hkv = tiles ? k_cache.size(1) : v_cache.size(2);
+  const int64_t D = v_cache.size(3);
+  const int64_t block_size = tiles ? k_cache.size(3) : v_cache.size(1);
   const int64_t width = (Hq + 2 * Hkv) * D, num_slots = v_cache.size(0) * block_size;
   TORCH_CHECK(qkv.size(1) == width, "speculant::rope_write_kv: qkv has ", qkv.size(1),
               " columns, expected (", Hq, " + 2 * ", Hkv, ") * ", D);
@@ -165,7 +196,33 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
       }
     });
   };
-  if (half) {
+  if (tiles) {
+    uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    const TileSlots at{Hkv, D, block_size};
+    parallel_for(T, balanced_chunk(T, 16), [&](int64_t t0, int64_t t1) {
+      std::vector<float> k_row(D), v_row(D);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* row = src + t * width;
+        const float* c = cp + pos[t] * D;
+        const float* s = sp + pos[t] * D;
+        for (int64_t h = 0; h < Hq; ++h) {
+          head(row + h * D, b ? b + h * D : nullptr, qn, e, c, s, D, qp + (t * Hq + h) * D);
+        }
+        const int64_t block = slots[t] / block_size, r = slots[t] % block_size;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
+          head(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, k_row.data());
+          head(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D,
+               v_row.data());
+          for (int64_t d = 0; d < D; ++d) {
+            kc[at.k(block, h, r, d)] = bf16_bits(k_row[d]);
+            vc[at.v(block, h, r, d)] = bf16_bits(v_row[d]);
+          }
+        }
+      }
+    });
+  } else if (half) {
     write(reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>()),
           reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>()));
   } else {
