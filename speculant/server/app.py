@@ -87,8 +87,10 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
 
         log.info("CPU kernel path: %s (SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8 "
                  "forces one), weight prefetch %s blocks ahead (SPECULANT_PREFETCH_BLOCKS), "
-                 "prompt attention %s (SPECULANT_PROMPT_ATTENTION=auto|fp32)",
-                 kernel_path(), weight_prefetch_blocks(), prompt_attention())
+                 "prompt attention %s (SPECULANT_PROMPT_ATTENTION=auto|fp32), KV cache %s "
+                 "(--kv-dtype; bfloat16: every position attended on AMX-BF16 tiles)",
+                 kernel_path(), weight_prefetch_blocks(), prompt_attention(),
+                 engine.config.kv_dtype)
         state.loop.start()
         try:
             yield

@@ -409,6 +409,25 @@ class Speculator(ABC):
 SpeculatorFactory = Callable[[SpeculatorContext, dict], Speculator]
 
 
+def drafter_cache_kind(config, target_kv_dtype: str, head_dim: int) -> tuple[str, int]:
+    """(kv_dtype, block_size) of a model drafter's own cache. Its `kv_dtype` auto takes the
+    target's element type, so a drafter that shares the target's layers or reads its features
+    computes what the target does: a bfloat16 cache in the AMX tiles' layout (32-position
+    blocks) where the drafter's heads suit the tiles, else float16 (also under a float32
+    target: a drafter's cache never needed reference numerics)."""
+    from speculant.kernels.kv_layout import TILE_BLOCK, check_tile_shape
+
+    if config.kv_dtype != "auto":
+        return config.kv_dtype, config.block_size
+    if target_kv_dtype == "bfloat16":
+        try:
+            check_tile_shape(TILE_BLOCK, head_dim)
+            return "bfloat16", TILE_BLOCK
+        except ValueError:
+            pass
+    return "float16", config.block_size
+
+
 def check_model_drafter_config(who: str, config) -> None:
     """ValueError naming the field, for the options every model drafter has: its own paged KV
     cache (`kv_dtype`, `kv_cache_tokens`, `block_size`) and its draft `temperature`."""

@@ -26,9 +26,9 @@ import torch
 from speculant.engine.forward_batch import SeqChunk, build_forward_batch
 from speculant.engine.kv_cache import KV_DTYPES, CacheFullError
 from speculant.kernels.argmax import row_argmax
-from speculant.kernels.kv_layout import TILE_BLOCK, check_tile_shape
 from speculant.speculators.base import (Draft, DraftBuilder, DraftRequest, Speculator, SpeculatorContext,
-                                        TargetDraws, check_model_drafter_config)
+                                        TargetDraws, check_model_drafter_config,
+                                        drafter_cache_kind)
 from speculant.speculators.continuation import ContinuationRecord
 from speculant.speculators.coupled import coupled_pick
 from speculant.speculators.draft_vocab import head_token_ids, read_ranking
@@ -89,22 +89,6 @@ class DraftModelConfig:
         check_model_drafter_config("draft", self)
 
 
-def draft_cache_kind(config: DraftModelConfig, target_kv_dtype: str,
-                     head_dim: int) -> tuple[str, int]:
-    """(kv_dtype, block_size) of the draft's cache: auto takes the target's element type, so a
-    draft that shares the target's layers computes what the target does (a bfloat16 tile cache
-    with 32-position blocks where the draft's heads suit the tiles, else float16)."""
-    if config.kv_dtype != "auto":
-        return config.kv_dtype, config.block_size
-    if target_kv_dtype == "bfloat16":
-        try:
-            check_tile_shape(TILE_BLOCK, head_dim)
-            return "bfloat16", TILE_BLOCK
-        except ValueError:
-            return "float16", config.block_size
-    return ("float16" if target_kv_dtype == "float32" else target_kv_dtype), config.block_size
-
-
 class DraftModelSpeculator(Speculator):
     name = "draft"
     config_class = DraftModelConfig
@@ -121,7 +105,7 @@ class DraftModelSpeculator(Speculator):
         self.model = model
         self.tokenizer = tokenizer
         self.max_positions = model.config.max_position_embeddings
-        kv_dtype, block_size = draft_cache_kind(config, ctx.kv_dtype, model.config.head_dim)
+        kv_dtype, block_size = drafter_cache_kind(config, ctx.kv_dtype, model.config.head_dim)
         self.cache = model.new_kv_cache(-(-config.kv_cache_tokens // block_size), block_size,
                                         KV_DTYPES[kv_dtype])
         self.vocab_size = min(ctx.vocab_size, model.config.vocab_size)

@@ -60,7 +60,8 @@ from speculant.kernels.kv_layout import write_kv
 from speculant.models.packed_head import pack_linears, packed_tensors, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, StepFeatures,
-                                        TargetDraws, TargetView, check_model_drafter_config)
+                                        TargetDraws, TargetView, check_model_drafter_config,
+                                        drafter_cache_kind)
 from speculant.speculators.calibration import CalibrationPrior
 from speculant.speculators.continuation import ContinuationRecord
 from speculant.speculators.coupled import coupled_pick
@@ -72,7 +73,8 @@ REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 class FeatureDrafterConfig:
     """- head: the head to load (a folder, or a GGUF for MTP layers); empty = the head
       shipped for the target, if there is one.
-    - kv_cache_tokens, kv_dtype, block_size: the head's paged KV cache (all sequences).
+    - kv_cache_tokens, kv_dtype, block_size: the head's paged KV cache (all sequences); kv_dtype
+      auto (default) follows the target's cache (`base.drafter_cache_kind`).
     - temperature: 0 = greedy drafts; > 0 samples drafts and exposes their distribution.
     - seed: of draft sampling.
     - weights: how the head's matrices run: q4_1, q4_0 or q8_0 (packed, the target's native
@@ -81,7 +83,7 @@ class FeatureDrafterConfig:
 
     head: str = ""
     kv_cache_tokens: int = 32768
-    kv_dtype: str = "float16"
+    kv_dtype: str = "auto"
     block_size: int = 16
     temperature: float = 0.0
     seed: int = 0
@@ -261,9 +263,10 @@ class FeatureDrafter(Speculator):
         self.target = target
         self.hidden_layers = tuple(head.capture_layers)
         hc = head.config
+        kv_dtype, block_size = drafter_cache_kind(config, ctx.kv_dtype, hc.head_dim)
         self.cache = KVCache(1, hc.num_kv_heads, hc.head_dim,
-                             -(-config.kv_cache_tokens // config.block_size), config.block_size,
-                             KV_DTYPES[config.kv_dtype], ctx.device)
+                             -(-config.kv_cache_tokens // block_size), block_size,
+                             KV_DTYPES[kv_dtype], ctx.device)
         self.max_positions = min(ctx.max_seq_len, hc.max_position_embeddings)
         self.vocab_size = ctx.vocab_size
         self.eos_token_ids = frozenset(ctx.eos_token_ids)
