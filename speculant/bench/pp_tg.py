@@ -3,13 +3,16 @@ same GGUF in the same run window.
 
     python -m speculant.bench.pp_tg [--model M] [--pp 512,3000] [--tg 128] [--repeats 3]
         [--paths amx_int8,avx512_vnni] [--threads N] [--llama-bench PATH] [--json-out FILE]
+        [--kv-dtypes bfloat16,float16]
 
 - `ppN`: a prompt of N token ids (seeded random ids, as llama-bench uses), one sequence, from an
   empty cache, generating one token: N / wall time.
 - `tgN`: N tokens of plain greedy decoding after a 1-token prompt, EOS ignored. The prefill step
   is taken out as hf_peer does: N / (time(1 + N tokens) - time(1 token)).
 
-Each repeat runs every kernel path of `--paths` (default: the active one) and then llama-bench
+Each repeat runs every kernel path of `--paths` (default: the active one; with `--kv-dtypes`, each
+path once per KV cache type, engines sharing the weights, labelled `speculant:<path>:<kv>`) and
+then llama-bench
 (`-p <pp> -n <tg> -t <threads> -r 1 -o json`), the order reversed every repeat, so drift on a
 shared machine hits them alike; the table and the JSON give medians and every run.
 """
@@ -40,6 +43,7 @@ class Options:
     llama_bench: str = ""  # path of a llama-bench binary; "" = speculant only
     json_out: str = ""
     seed: int = 0
+    kv_dtypes: tuple[str, ...] = ()  # KV cache element types, each its own engine; () = auto
 
 
 @dataclass(slots=True)
@@ -66,6 +70,9 @@ def parse_args(argv: list[str] | None) -> Options:
     ap.add_argument("--llama-bench", default="", help="llama.cpp's llama-bench binary")
     ap.add_argument("--json-out", default="")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-dtypes", default="",
+                    help="KV cache element types to compare, comma-separated (engines sharing "
+                         "the weights; default: auto alone)")
     a = ap.parse_args(argv)
     try:
         pp = tuple(int(v) for v in a.pp.split(",") if v.strip())
@@ -84,8 +91,14 @@ def parse_args(argv: list[str] | None) -> Options:
     if a.llama_bench and not (os.path.isfile(a.llama_bench) and os.access(a.llama_bench, os.X_OK)):
         ap.error(f"--llama-bench {a.llama_bench!r} is not an executable file")
     paths = tuple(p for p in a.paths.split(",") if p.strip())
+    kv_dtypes = tuple(k.strip() for k in a.kv_dtypes.split(",") if k.strip())
+    from speculant.engine.kv_cache import KV_DTYPES
+
+    bad = [k for k in kv_dtypes if k not in ("auto", *KV_DTYPES)]
+    if bad:
+        ap.error(f"--kv-dtypes: {', '.join(bad)} not one of auto, {', '.join(KV_DTYPES)}")
     return Options(a.model, pp, a.tg, a.repeats, paths, a.threads, a.llama_bench, a.json_out,
-                   a.seed)
+                   a.seed, kv_dtypes)
 
 
 def random_prompt(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -161,12 +174,20 @@ def measure(opts: Options) -> tuple[list[Cell], dict]:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     threads = torch.get_num_threads()
-    llm = LLM(model=opts.model)
+    from speculant.engine.config import EngineConfig
+    from speculant.engine.engine import Engine
+
+    llm = LLM(model=opts.model, kv_dtype=(opts.kv_dtypes or ("auto",))[0])
+    llms = {llm.engine.config.kv_dtype: llm}  # one engine per KV cache type, the weights shared
+    for kv in opts.kv_dtypes[1:]:
+        other = Engine(EngineConfig(model=opts.model, kv_dtype=kv), model_from=llm.engine)
+        llms.setdefault(other.config.kv_dtype, LLM.from_engine(other))
     model_path = llm.engine.model_path
     if opts.llama_bench and not model_path.endswith(".gguf"):
         raise ValueError(f"--llama-bench needs a GGUF model; {model_path!r} is not one")
     paths = opts.paths or (kernel_path(),)
-    engines = [f"speculant:{p}" for p in paths] + ([LLAMA_CPP] if opts.llama_bench else [])
+    engines = [f"speculant:{p}:{kv}" if opts.kv_dtypes else f"speculant:{p}"
+               for p in paths for kv in llms] + ([LLAMA_CPP] if opts.llama_bench else [])
     cells: dict[tuple[str, str], Cell] = {}
     rng = random.Random(opts.seed)
     for r in range(opts.repeats):
@@ -174,9 +195,9 @@ def measure(opts: Options) -> tuple[list[Cell], dict]:
             if engine == LLAMA_CPP:
                 rates = time_llama_cpp(opts, model_path, threads)
             else:  # the active path unless paths were asked for (an unknown one raises)
-                path = engine.split(":", 1)[1]
+                _, path, *kv = engine.split(":")
                 with forced_kernel_path(path) if opts.paths else contextlib.nullcontext():
-                    rates = time_ours(llm, opts, rng)
+                    rates = time_ours(llms[kv[0]] if kv else llm, opts, rng)
             for test, rate in rates.items():
                 cells.setdefault((engine, test), Cell(engine, test)).runs.append(rate)
     meta = {"machine": machine_info(threads), "model": model_path, "repeats": opts.repeats,

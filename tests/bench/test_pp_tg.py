@@ -104,3 +104,18 @@ def test_bad_options_name_the_flag(argv, message, capsys):
 def test_parse_llama_bench_rejects_non_json():
     with pytest.raises(RuntimeError, match="llama-bench printed no JSON"):
         pp_tg.parse_llama_bench("| model | size |")
+
+
+def test_kv_cache_types_side_by_side(tmp_path):
+    """--kv-dtypes runs one engine per KV cache type on the shared weights, each labelled."""
+    result = run_json(tmp_path, "--pp", "24", "--tg", "0", "--repeats", "1",
+                      "--kv-dtypes", "float16,float32")
+    engines = {r["engine"] for r in result["results"]}
+    assert engines == {f"speculant:{kernel_path()}:float16", f"speculant:{kernel_path()}:float32"}
+
+
+def test_bad_kv_cache_type_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as exc:
+        pp_tg.main(["--pp", "8", "--tg", "0", "--kv-dtypes", "float16,bf8"])
+    assert exc.value.code == 2
+    assert "--kv-dtypes: bf8 not one of" in capsys.readouterr().err

@@ -784,18 +784,14 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_in, const
   const bool half = k_cache.scalar_type() == at::kHalf;
   check(k_cache.scalar_type() == v_cache.scalar_type() && (half || k_cache.scalar_type() == at::kFloat),
         "the caches must be both float32 or both float16");
-  check(block_tables.scalar_type() == at::kInt && token_seq.scalar_type() == at::kInt &&
-            token_pos.scalar_type() == at::kInt,
-        "block_tables, token_seq, token_pos must be int32");
-  check(q.dim() == 3 && block_tables.dim() == 2 && paged_kv_shapes_match(k_cache, v_cache),
+  check(q.dim() == 3 && paged_kv_shapes_match(k_cache, v_cache),
         "expected q [T, Hq, D], K cache [blocks, Hkv, D, block_size], V cache [blocks, "
         "block_size, Hkv, D]");
+  check_indices(block_tables, token_seq, token_pos, q.size(0));
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = v_cache.size(2), num_blocks = v_cache.size(0);
   check(v_cache.size(3) == D && D % 8 == 0, "head_dim must match and be a multiple of 8");
   check(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of KV heads");
-  check(token_seq.numel() == T && token_pos.numel() == T,
-        "token_seq, token_pos must have T entries");
   const int64_t S = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t block_size = v_cache.size(1);
   check(block_size % 8 == 0 && kPartition % block_size == 0,
