@@ -383,14 +383,15 @@ void values_wide(const Problem<KV>& pb, const Unit& u, int64_t part, float* scor
   }
 }
 
-// AMX-BF16 path (prompt positions): the softmax numerators and value sums of every query of the
-// unit in one call (attention_wide.h), their partials straight into `out`.
-template <typename KV>
-void values_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, float* scores,
-                  int64_t stride, int64_t n_max, Scratch<KV>& sc, const Partials& out) {
+// The queries of the unit that read partition `part`, in unit order, as the tile kernels take
+// them (attention_wide.h): row(t, h) of each (token t, head h of the unit's slice) into `rows`,
+// and its length there and where its partials go into sc.lengths, value_sums, maxes, sums.
+template <typename KV, typename Row>
+void tile_queries(const Problem<KV>& pb, const Unit& u, int64_t part, const Partials& out,
+                  Scratch<KV>& sc, std::vector<const float*>& rows, Row row) {
   const int64_t D = pb.head_dim, group = pb.num_heads / pb.num_kv_heads, heads = u.h1 - u.h0;
   const int64_t p_begin = part * kPartition;
-  sc.probs.clear();
+  rows.clear();
   sc.lengths.clear();
   sc.value_sums.clear();
   sc.maxes.clear();
@@ -400,13 +401,24 @@ void values_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, float* sco
     if (n <= 0) continue;
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t e = out.entry(t, part, u.kvh * group + u.h0 + h);
-      sc.probs.push_back(scores + ((t - u.t0) * heads + h) * stride);
+      rows.push_back(row(t, h));
       sc.lengths.push_back(n);
       sc.value_sums.push_back(out.acc + e * D);
       sc.maxes.push_back(out.max + e);
       sc.sums.push_back(out.sum + e);
     }
   }
+}
+
+// AMX-BF16 path (prompt positions): the softmax numerators and value sums of every query of the
+// unit in one call (attention_wide.h), their partials straight into `out`.
+template <typename KV>
+void values_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, float* scores,
+                  int64_t stride, int64_t n_max, Scratch<KV>& sc, const Partials& out) {
+  const int64_t D = pb.head_dim, heads = u.h1 - u.h0;
+  tile_queries(pb, u, part, out, sc, sc.probs, [&](int64_t t, int64_t h) {
+    return scores + ((t - u.t0) * heads + h) * stride;
+  });
   if constexpr (std::is_same_v<KV, uint16_t>) {
     attention_softmax_values_amx_bf16(sc.probs.data(), sc.lengths.data(),
                                       static_cast<int64_t>(sc.probs.size()), sc.v_rows.data(),
@@ -421,7 +433,7 @@ template <typename KV>
 void attend_partition_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, int64_t n_max,
                             Scratch<KV>& sc, const Partials& out) {
   const int64_t D = pb.head_dim, BS = pb.block_size, Hkv = pb.num_kv_heads;
-  const int64_t group = pb.num_heads / Hkv, heads = u.h1 - u.h0;
+  const int64_t group = pb.num_heads / Hkv;
   const int64_t p_begin = part * kPartition;
   const int32_t* table = pb.tables + pb.seq[u.t0] * pb.max_blocks + p_begin / BS;
   const int64_t num_blocks = (n_max + BS - 1) / BS;
@@ -432,23 +444,9 @@ void attend_partition_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, 
     sc.k_vecs[b] = pb.k + at;
     sc.v_rows[b] = pb.v + at;
   }
-  sc.q_rows.clear();
-  sc.lengths.clear();
-  sc.value_sums.clear();
-  sc.maxes.clear();
-  sc.sums.clear();
-  for (int64_t t = u.t0; t < u.t1; ++t) {
-    const int64_t n = std::min<int64_t>(pb.pos[t] + 1, p_begin + kPartition) - p_begin;
-    if (n <= 0) continue;
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t head = u.kvh * group + u.h0 + h, e = out.entry(t, part, head);
-      sc.q_rows.push_back(pb.q + (t * pb.num_heads + head) * D);
-      sc.lengths.push_back(n);
-      sc.value_sums.push_back(out.acc + e * D);
-      sc.maxes.push_back(out.max + e);
-      sc.sums.push_back(out.sum + e);
-    }
-  }
+  tile_queries(pb, u, part, out, sc, sc.q_rows, [&](int64_t t, int64_t h) {
+    return pb.q + (t * pb.num_heads + u.kvh * group + u.h0 + h) * D;
+  });
   attention_partition_tiles(sc.q_rows.data(), sc.lengths.data(),
                             static_cast<int64_t>(sc.q_rows.size()),
                             reinterpret_cast<const uint16_t* const*>(sc.k_vecs.data()),

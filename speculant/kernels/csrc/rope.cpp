@@ -174,10 +174,11 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
   const float* sp = sin.const_data_ptr<float>();
   float* qp = q.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  // k and v rows in float32 (the cache's own rows, or a scratch row rounded into an fp16 cache)
-  auto write = [&](auto* kc, auto* vc) {
+  // Each token's q heads rotated into q, then store_kv(t, h, row, cos, sin, scratch [2 D]) for
+  // each of its KV heads.
+  auto for_each_token = [&](auto&& store_kv) {
     parallel_for(T, balanced_chunk(T, 16), [&](int64_t t0, int64_t t1) {
-      std::vector<float> scratch(half ? D : 0);
+      std::vector<float> scratch(2 * D);
       for (int64_t t = t0; t < t1; ++t) {
         const float* row = src + t * width;
         const float* c = cp + pos[t] * D;
@@ -185,41 +186,37 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const std::optional<at::Tensor>&
         for (int64_t h = 0; h < Hq; ++h) {
           head(row + h * D, b ? b + h * D : nullptr, qn, e, c, s, D, qp + (t * Hq + h) * D);
         }
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
-          const int64_t block = slots[t] / block_size, r = slots[t] % block_size;
-          store_column(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, scratch.data(),
-                       kc + (block * Hkv + h) * D * block_size + r, block_size);
-          store_row(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D,
-                    scratch.data(), vc + (slots[t] * Hkv + h) * D);
-        }
+        for (int64_t h = 0; h < Hkv; ++h) store_kv(t, h, row, c, s, scratch.data());
       }
+    });
+  };
+  // k and v rows in float32 (the cache's own rows, or a scratch row rounded into an fp16 cache)
+  auto write = [&](auto* kc, auto* vc) {
+    for_each_token([&](int64_t t, int64_t h, const float* row, const float* c, const float* s,
+                       float* scratch) {
+      const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
+      const int64_t block = slots[t] / block_size, r = slots[t] % block_size;
+      store_column(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, scratch,
+                   kc + (block * Hkv + h) * D * block_size + r, block_size);
+      store_row(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D, scratch,
+                vc + (slots[t] * Hkv + h) * D);
     });
   };
   if (tiles) {
     uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
     uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
     const TileSlots at{Hkv, D, block_size};
-    parallel_for(T, balanced_chunk(T, 16), [&](int64_t t0, int64_t t1) {
-      std::vector<float> k_row(D), v_row(D);
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* row = src + t * width;
-        const float* c = cp + pos[t] * D;
-        const float* s = sp + pos[t] * D;
-        for (int64_t h = 0; h < Hq; ++h) {
-          head(row + h * D, b ? b + h * D : nullptr, qn, e, c, s, D, qp + (t * Hq + h) * D);
-        }
-        const int64_t block = slots[t] / block_size, r = slots[t] % block_size;
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
-          head(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, k_row.data());
-          head(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D,
-               v_row.data());
-          for (int64_t d = 0; d < D; ++d) {
-            kc[at.k(block, h, r, d)] = bf16_bits(k_row[d]);
-            vc[at.v(block, h, r, d)] = bf16_bits(v_row[d]);
-          }
-        }
+    for_each_token([&](int64_t t, int64_t h, const float* row, const float* c, const float* s,
+                       float* scratch) {
+      const int64_t k_col = (Hq + h) * D, v_col = (Hq + Hkv + h) * D;
+      const int64_t block = slots[t] / block_size, r = slots[t] % block_size;
+      float* k_row = scratch;
+      float* v_row = scratch + D;
+      head(row + k_col, b ? b + k_col : nullptr, kn, e, c, s, D, k_row);
+      head(row + v_col, b ? b + v_col : nullptr, nullptr, e, nullptr, nullptr, D, v_row);
+      for (int64_t d = 0; d < D; ++d) {
+        kc[at.k(block, h, r, d)] = bf16_bits(k_row[d]);
+        vc[at.v(block, h, r, d)] = bf16_bits(v_row[d]);
       }
     });
   } else if (half) {

@@ -286,12 +286,7 @@ bool attention_softmax_values_amx_bf16(const float* const* scores, const int64_t
       if (nf > 1) _tile_stored(5, value_tiles[1], 64);
       if (nf > 2) _tile_stored(6, value_tiles[2], 64);
       if (nf > 3) _tile_stored(7, value_tiles[3], 64);
-      for (int64_t i = 0; i < kTile && qt * kTile + i < num_queries; ++i) {
-        float* out = outs[qt * kTile + i];
-        for (int64_t f = 0; f < nf; ++f) {
-          _mm512_storeu_ps(out + 16 * (f0 + f), _mm512_load_ps(value_tiles[f] + i * kTile));
-        }
-      }
+      avx512::copy_value_rows(value_tiles, qt, num_queries, f0, nf, outs);
     }
   }
   _tile_release();

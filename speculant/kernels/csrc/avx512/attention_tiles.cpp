@@ -256,12 +256,7 @@ bool attention_partition_tiles(const float* const* q_rows, const int64_t* length
     for (int64_t f0 = 0; f0 < num_ftiles; f0 += 4) {
       const int64_t nf = num_ftiles - f0 < 4 ? num_ftiles - f0 : 4;  // even: D % 32 == 0
       tile_values(pbuf, v_blocks, block_size, D, num_chunks, f0, nf, value_tiles);
-      for (int64_t i = 0; i < kTile && qt * kTile + i < num_queries; ++i) {
-        float* out = outs[qt * kTile + i];
-        for (int64_t f = 0; f < nf; ++f) {
-          _mm512_storeu_ps(out + 16 * (f0 + f), _mm512_load_ps(value_tiles[f] + i * kTile));
-        }
-      }
+      avx512::copy_value_rows(value_tiles, qt, num_queries, f0, nf, outs);
     }
   }
   _tile_release();
