@@ -170,13 +170,7 @@ namespace {
 // in position order, then reduced); stores the max in *max_out.
 float softmax_split(const float* s, int64_t n, int64_t num_chunks, uint16_t* p,
                     int64_t chunk_stride, float* max_out) {
-  const __m512 neg_infs = _mm512_set1_ps(-__builtin_inff());
-  __m512 vmax = neg_infs;
-  for (int64_t q = 0; q < n; q += 16) {
-    const __mmask16 mask = n - q >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - q)) - 1);
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_infs, mask, s + q));
-  }
-  const float m = _mm512_reduce_max_ps(vmax);
+  const float m = avx512::max_of(s, n);
   *max_out = m;
   const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
@@ -184,11 +178,7 @@ float softmax_split(const float* s, int64_t n, int64_t num_chunks, uint16_t* p,
     uint16_t* hi = p + c * chunk_stride;
     uint16_t* lo = hi + kTile * 32;
     for (int64_t h = 0; h < 2; ++h) {
-      const int64_t q = 32 * c + 16 * h;
-      const int64_t valid = n - q < 0 ? 0 : n - q > 16 ? 16 : n - q;
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      // lanes past n: exp(-inf - m) = 0 exactly
-      const __m512 e = avx512::exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_infs, mask, s + q), vm));
+      const __m512 e = avx512::numerators16(s, 32 * c + 16 * h, n, vm);
       vsum = _mm512_add_ps(vsum, e);
       __m256i hv, lv;
       split16(e, &hv, &lv);

@@ -151,24 +151,14 @@ void tile_scores(int64_t slices, const uint16_t* const* k_blocks,
 // Returns the sum of the fp32 numerators (16 lanes in position order, then reduced); stores the
 // max in *max_out.
 float softmax_row(const float* s, int64_t n, int64_t num_chunks, uint16_t* p, float* max_out) {
-  const __m512 neg_infs = _mm512_set1_ps(-__builtin_inff());
-  __m512 vmax = neg_infs;
-  for (int64_t q = 0; q < n; q += 16) {
-    const __mmask16 mask = n - q >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - q)) - 1);
-    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_infs, mask, s + q));
-  }
-  const float m = _mm512_reduce_max_ps(vmax);
+  const float m = avx512::max_of(s, n);
   *max_out = m;
   const __m512 vm = _mm512_set1_ps(m);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t c = 0; c < num_chunks; ++c) {
     uint16_t* row = p + c * kTile * kChunk;
     for (int64_t h = 0; h < 2; ++h) {
-      const int64_t q = kChunk * c + 16 * h;
-      const int64_t valid = n - q < 0 ? 0 : n - q > 16 ? 16 : n - q;
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      // lanes past n: exp(-inf - m) = 0 exactly
-      const __m512 e = avx512::exp16(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_infs, mask, s + q), vm));
+      const __m512 e = avx512::numerators16(s, kChunk * c + 16 * h, n, vm);
       vsum = _mm512_add_ps(vsum, e);
       _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * h), to_bf16(e));
     }

@@ -1,8 +1,10 @@
-// exp on 16 float lanes, shared by the AVX-512 attention files (and included only by files in
+// exp on 16 float lanes and the softmax passes built on it, shared by the AVX-512 attention files (and included only by files in
 // this folder, compiled with the AVX-512 flags: see linear_blocks.h why).
 #pragma once
 
 #include <immintrin.h>
+
+#include <cstdint>
 
 namespace speculant {
 namespace avx512 {
@@ -27,6 +29,26 @@ inline __m512 exp16(__m512 x) {
   const __m512i e = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
   y = _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(e, 23)));
   return _mm512_maskz_mov_ps(in_range, y);
+}
+
+// The max of s [0, n) (n >= 1), 16 lanes at a time: the softmax's first pass.
+inline float max_of(const float* s, int64_t n) {
+  const __m512 neg_infs = _mm512_set1_ps(-__builtin_inff());
+  __m512 vmax = neg_infs;
+  for (int64_t q = 0; q < n; q += 16) {
+    const __mmask16 mask = n - q >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - q)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_infs, mask, s + q));
+  }
+  return _mm512_reduce_max_ps(vmax);
+}
+
+// exp(s[q + i] - max) for the 16 lanes i of positions q.. (max broadcast in vm), exactly 0 for
+// positions at or past n (exp(-inf - max)): a softmax numerator vector.
+inline __m512 numerators16(const float* s, int64_t q, int64_t n, __m512 vm) {
+  const int64_t valid = n - q < 0 ? 0 : n - q > 16 ? 16 : n - q;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-__builtin_inff()), mask, s + q);
+  return exp16(_mm512_sub_ps(v, vm));
 }
 
 }  // namespace avx512
