@@ -2,7 +2,7 @@
 
     python -m speculant.kernels.bench [--ms 1,4,8,16] [--budget 0.1] [--threads N]
                                       [--paths avx2,avx512_vnni,amx_int8] [--context 128]
-                                      [--kv_dtype float32]
+                                      [--kv_dtype float32] [--copies 30]
 
 For each weight matrix: the native kernel at every M (on the active kernel path, and on each
 of `--paths` as `<path>_m<M>`), the PyTorch fallback at M=1, and fp32 `F.linear` (MKL) on the
@@ -12,6 +12,7 @@ line is one JSON object with every number, the CPU model and the active kernel p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -44,10 +45,15 @@ class BenchConfig:
     paths: str = ""  # kernel paths to time the kernels on as well (comma-separated)
     kv_dtype: str = "float32"  # attention: the KV cache's dtype (float32, float16, bfloat16)
     block_size: int = 16  # attention: positions per cache block
+    # linear: calls cycle through this many copies of each matrix under 8 MB, so its weights
+    # come from L3 or DRAM as a model's layers do (30: SmolLM2-135M's), not from L2
+    copies: int = 1
 
     def __post_init__(self):
         if not self.row_counts or min(self.row_counts) < 1:
             raise ValueError(f"--ms must list positive row counts, got {self.ms!r}")
+        if self.copies < 1:
+            raise ValueError(f"--copies must be at least 1, got {self.copies}")
         if self.budget <= 0:
             raise ValueError(f"--budget must be positive, got {self.budget}")
         if self.kv_dtype not in ("float32", "float16", "bfloat16"):
@@ -82,14 +88,18 @@ def bench_linear(cfg: BenchConfig) -> list[dict]:
     for name, out_features, in_features, qtype in SHAPES:
         w = PackedLinear.from_float(torch.randn(out_features, in_features) * 0.05, qtype)
         dense = w.dequantize()  # [out, in]
+        small = out_features * in_features < (8 << 20)  # bytes of int8, a bound on the packed size
+        copies = [w] + [PackedLinear.from_float(torch.randn(out_features, in_features) * 0.05, qtype)
+                        for _ in range(cfg.copies - 1 if small else 0)]
         row = {"shape": name, "out": out_features, "in": in_features, "qtype": qtype}
         for m in cfg.row_counts:
             x = torch.randn(m, in_features)
+            rotation = itertools.cycle(copies)
             if native_available():
-                row[f"native_m{m}"] = median_us(lambda: w(x), cfg.budget)
+                row[f"native_m{m}"] = median_us(lambda: next(rotation)(x), cfg.budget)
             for path in cfg.kernel_paths:
                 with forced_kernel_path(path):
-                    row[f"{path}_m{m}"] = median_us(lambda: w(x), cfg.budget)
+                    row[f"{path}_m{m}"] = median_us(lambda: next(rotation)(x), cfg.budget)
             row[f"fp32_m{m}"] = median_us(lambda: F.linear(x, dense), cfg.budget)
         x1 = torch.randn(1, in_features)
         row["fallback_m1"] = median_us(lambda: w(x1, native=False), cfg.budget)

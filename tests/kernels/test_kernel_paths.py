@@ -105,11 +105,29 @@ def test_path_matches_avx2_on_prefill_sized_batches(qtype, wide_path):
     assert_paths_agree(w, activations(300, 96), (33, 47, 100, 128, 129, 161, 300), wide_path)
 
 
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_a_partial_last_tile_reads_back_only_its_own_rows(qtype, wide_path):
+    """A region's last AMX tile may hold fewer than 16 rows: it loads 16 activation rows, the
+    rest from the buffer's padding, which still holds an earlier call's larger batch. Those
+    rows' products must never reach the output: after a 32-row batch of extreme values, batches
+    whose last tile is partial (16 + 6-15 rows; 12-15 alone take the tiles only for an LM-head-
+    sized matrix) equal the AVX2 path bit for bit."""
+    w = PackedLinear.from_float(random_weight(72, 96), qtype)
+    loud = torch.randn(32, 96, generator=torch.Generator().manual_seed(9)).sign() * 1e4
+    x = activations(31, 96)
+    for m in (12, 13, 15, 22, 27, 31):
+        with forced_kernel_path(wide_path):
+            w(loud)  # leaves its quantized rows in the thread's activation buffer
+            out = w(x[:m])
+        assert torch.equal(bits(out), bits(on_path("avx2", w, x[:m]))), f"{wide_path} M={m}"
+
+
 def test_path_matches_avx2_on_lm_head(wide_path):
-    """The default model's LM head shape (49152 x 576, Q8_0): bit-identical at 1..32 rows."""
+    """The default model's LM head shape (49152 x 576, Q8_0): bit-identical at 1..32 rows (a
+    matrix this large takes partial AMX tiles from 12 rows on and for any tail)."""
     w = PackedLinear.from_float(random_weight(*LM_HEAD), "Q8_0")
-    assert_paths_agree(w, activations(32, LM_HEAD[1]), (1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 32),
-                       wide_path)
+    assert_paths_agree(w, activations(32, LM_HEAD[1]),
+                       (1, 2, 3, 4, 5, 8, 9, 12, 14, 16, 17, 20, 31, 32), wide_path)
 
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES)

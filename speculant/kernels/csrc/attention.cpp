@@ -54,6 +54,7 @@
 #include "kernel_path.h"
 #include "ops.h"
 #include "pool.h"
+#include "scratch.h"
 #include "simd.h"
 
 namespace speculant {
@@ -584,9 +585,9 @@ void attend_unit(const Problem<KV>& pb, const Unit& u, Scratch<KV>& sc) {
   const int64_t rows = (u.t1 - u.t0) * parts_max;
   sc.base.resize(u.t1 - u.t0);
   for (int64_t t = u.t0; t < u.t1; ++t) sc.base[t - u.t0] = (t - u.t0) * parts_max;
-  sc.acc.resize(rows * Hq * D);
-  sc.max.resize(rows * Hq);
-  sc.sum.resize(rows * Hq);
+  ensure_size(sc.acc, rows * Hq * D);  // every partial merge reads is written first
+  ensure_size(sc.max, rows * Hq);
+  ensure_size(sc.sum, rows * Hq);
   const Partials partials{sc.acc.data(), sc.max.data(), sc.sum.data(), sc.base.data(), u.t0, Hq,
                           D};
   for (int64_t part = 0; part < parts_max; ++part) attend_partition(pb, u, part, sc, partials);
@@ -644,7 +645,10 @@ void attend_split(const Problem<KV>& pb, const std::vector<Unit>& runs, int64_t 
   const int64_t D = pb.head_dim, Hq = pb.num_heads;
   std::vector<int64_t> base(T + 1, 0);
   for (int64_t t = 0; t < T; ++t) base[t + 1] = base[t] + num_partitions(pb, t);
-  std::vector<float> acc(base[T] * Hq * D), mx(base[T] * Hq), sm(base[T] * Hq);
+  thread_local std::vector<float> acc, mx, sm;  // every partial merge reads is written first
+  ensure_size(acc, base[T] * Hq * D);
+  ensure_size(mx, base[T] * Hq);
+  ensure_size(sm, base[T] * Hq);
   const Partials partials{acc.data(), mx.data(), sm.data(), base.data(), 0, Hq, D};
   struct Work {
     Unit unit;

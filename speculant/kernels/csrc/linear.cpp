@@ -38,6 +38,7 @@
 #include "kernel_path.h"
 #include "linear_blocks.h"
 #include "pool.h"
+#include "scratch.h"
 #include "simd.h"
 
 namespace speculant {
@@ -88,10 +89,12 @@ void quantize_row(const float* x, int64_t nb, int8_t* q, float* d, float* dsum, 
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& a) {
   const int64_t nb = K / kBlock;
-  a.q.resize(M * K);
-  a.d.resize(M * nb);
-  a.dsum.resize(M * nb);
-  a.sum.resize(M * nb);
+  // Room for M rounded up to whole 16-row tiles: the AMX kernel loads a region's last, partial
+  // tile whole and reads back only its own rows (linear_blocks.h, ActsView).
+  ensure_size(a.q, (M + kActsRowPad - 1) / kActsRowPad * kActsRowPad * K);
+  ensure_size(a.d, M * nb);
+  ensure_size(a.dsum, M * nb);
+  ensure_size(a.sum, M * nb);
   parallel_for(M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
       quantize_row(x + m * K, nb, a.q.data() + m * K, a.d.data() + m * nb,

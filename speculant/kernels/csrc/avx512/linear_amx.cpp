@@ -24,8 +24,8 @@
 // block b's epilogue runs, block b + 1's tile product is already issued (two sets of A and C
 // tiles).
 //
-// Few rows do not pay for a tile product: rows short of a whole 16-row tile run the VNNI kernel
-// (bit-identical too), so plain decode keeps the VNNI path's speed (see run_region).
+// Few rows do not pay for a tile product: they run the VNNI kernel (bit-identical too), so plain
+// decode keeps the VNNI path's speed (see run_region).
 //
 // Tile state is per thread: every call loads its own configuration (ldtilecfg) and releases the
 // tiles at the end, so it runs on any thread of the pool or of torch's OpenMP team, and whatever
@@ -153,11 +153,14 @@ inline void store_dots(int32_t* dot) {
   }
 }
 
-// A pair of groups against a tile of MR activation rows starting at m, over one span of blocks.
+// A pair of groups against a tile of MR activation rows starting at m, of which the first
+// `rows` are wanted (a region's last tile may be partial: the tile still loads MR rows, which
+// the activations' padding holds, and only `rows` are read back), over one span of blocks.
 template <Kind kKind, int MR>
 struct RowTile {
   const BlockLinear& p;
   int64_t lo, hi, m;
+  int rows;
 
   // acc += blocks [b0, b0 + n) (laid out in `span`); dot: two [MR, 16] int32 buffers. Block j's
   // dots are stored while block j + 1's product runs, and read back one block later still: a
@@ -187,20 +190,22 @@ struct RowTile {
     if constexpr (kKind == Kind::kQ4_1) wm = load_pair_halves(p.mins, p.nb, lo, hi, b);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      const int64_t xb = (m + i) * p.nb + b;  // this row's block in the activation arrays
-      const __m512 s = _mm512_mul_ps(wd, _mm512_set1_ps(p.acts.d[xb]));
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(d + 16 * i));
-      acc[i] = _mm512_fmadd_ps(dot, s, acc[i]);
-      if constexpr (kKind == Kind::kQ4_1) {
-        acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(p.acts.dsum[xb]), acc[i]);
+      if (i < rows) {
+        const int64_t xb = (m + i) * p.nb + b;  // this row's block in the activation arrays
+        const __m512 s = _mm512_mul_ps(wd, _mm512_set1_ps(p.acts.d[xb]));
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(d + 16 * i));
+        acc[i] = _mm512_fmadd_ps(dot, s, acc[i]);
+        if constexpr (kKind == Kind::kQ4_1) {
+          acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(p.acts.dsum[xb]), acc[i]);
+        }
       }
     }
   }
 };
 
 // One pair (lo, hi: output columns 8 lo .. 8 lo + 15; a lone last group is paired with itself
-// and its copy is never stored) against activation rows [m0, m1), a multiple of MR, in row
-// tiles of MR. `saved` keeps the accumulators of every row between spans.
+// and its copy is never stored) against activation rows [m0, m1) in row tiles of MR, the last
+// one possibly partial. `saved` keeps the accumulators of every row between spans.
 template <Kind kKind, int MR>
 void run_pair(const BlockLinear& p, int64_t lo, int64_t hi, int64_t m0, int64_t m1,
               uint8_t* span, int32_t* dot, float* saved) {
@@ -209,12 +214,13 @@ void run_pair(const BlockLinear& p, int64_t lo, int64_t hi, int64_t m0, int64_t 
     const bool first = b0 == 0, last = b0 + n == p.nb;
     lay_out_pair<kKind>(p, lo, hi, b0, n, span);
     for (int64_t start = m0; start < m1; start += MR) {
+      const int rows = m1 - start < MR ? static_cast<int>(m1 - start) : MR;
       __m512 acc[MR];
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         acc[i] = first ? _mm512_setzero_ps() : _mm512_load_ps(saved + 16 * (start - m0 + i));
       }
-      RowTile<kKind, MR>{p, lo, hi, start}.accumulate(b0, n, span, dot, acc);
+      RowTile<kKind, MR>{p, lo, hi, start, rows}.accumulate(b0, n, span, dot, acc);
       if (!last) {
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) _mm512_store_ps(saved + 16 * (start - m0 + i), acc[i]);
@@ -226,7 +232,7 @@ void run_pair(const BlockLinear& p, int64_t lo, int64_t hi, int64_t m0, int64_t 
       const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
-        _mm512_mask_storeu_ps(p.out + (start + i) * p.N + n0, mask, acc[i]);
+        if (i < rows) _mm512_mask_storeu_ps(p.out + (start + i) * p.N + n0, mask, acc[i]);
       }
     }
   }
@@ -247,16 +253,32 @@ void run_pairs(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t
 
 using VnniFn = void (*)(const BlockLinear&, int64_t, int64_t, int64_t, int64_t);
 
-// Whole tiles of kTileRows rows run on the tiles, the rows left over (all of them in a region of
-// fewer rows: a decode step, most verification chunks of one sequence) on the VNNI kernel, which
-// is faster there: a tile product's fixed cost (the weight layout, the tile loads and the store
-// of C) is paid per block whatever the rows, and with AMX's K of 32 per block it is not
-// amortized below ~16 rows (measured on a Xeon with AMX: 8 rows 0.8-1.25x the VNNI time, 16
-// rows 1.2-1.8x faster, 64 rows 1.4-2x).
+// Which rows run on the tiles. A tile product's fixed cost (the weight layout, the tile loads,
+// the store of C) is paid per block whatever the rows, so few rows run the VNNI kernel (bit-
+// identical too): a decode step, most verification chunks of one sequence. Rows past the last
+// whole 16-row tile make a partial tile over the same weight layout when there are at least
+// kMinTailRows of them; fewer are cheaper on VNNI. A matrix too large for the caches (an LM
+// head) takes partial tiles from kMinStreamedRows rows on and for any tail: a VNNI pass reads
+// all of its weights from DRAM again. Measured on a Xeon with AMX (SmolLM2-135M's shapes,
+// weights cycled through 30 copies, 2 threads, in-process A/B; tiles / VNNI for those rows):
+// the LM head 0.82 / 0.78 at 12 / 14 rows, 0.80 with a tail of 1-3 rows, 0.73-0.75 with one of
+// 6-8; the layers' matrices 1.01-1.15 at 12-13 rows, a wash at 14, 0.89-0.98 with a tail of 6
+// and 0.83-0.96 with one of 8.
+constexpr int64_t kMinTailRows = 6;
+constexpr int64_t kMinStreamedRows = 12;
+constexpr int64_t kStreamedBytes = 8 << 20;  // weights beyond what L2 and a share of L3 keep
+
 template <Kind kKind>
 void run_region(const BlockLinear& p, int64_t g0, int64_t g1, int64_t m0, int64_t m1,
                 VnniFn vnni) {
-  const int64_t tiled_end = m0 + (m1 - m0) / kTileRows * kTileRows;
+  constexpr int64_t kGroupBlockBytes = kKind == Kind::kQ8_0 ? 256 : 128;  // 8 rows x 32 weights
+  const bool streamed = (p.N + 7) / 8 * p.nb * kGroupBlockBytes >= kStreamedBytes;
+  if (m1 - m0 < (streamed ? kMinStreamedRows : kTileRows)) {
+    vnni(p, g0, g1, m0, m1);
+    return;
+  }
+  const int64_t whole_end = m0 + (m1 - m0) / kTileRows * kTileRows;
+  const int64_t tiled_end = m1 - whole_end >= kMinTailRows || streamed ? m1 : whole_end;
   for (int64_t m = m0; m < tiled_end; m += kMaxRows) {  // `saved` holds kMaxRows rows
     run_pairs<kKind, kTileRows>(p, g0, g1, m, m + kMaxRows < tiled_end ? m + kMaxRows : tiled_end);
   }
