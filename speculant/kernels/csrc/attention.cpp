@@ -470,7 +470,7 @@ void attend_partition_loops(const Problem<KV>& pb, const Unit& u, int64_t part, 
   // one query's scores in the scratch (whole 16-position tiles on the AMX-BF16 path)
   const int64_t stride = u.tiles ? (n_max + 15) / 16 * 16 : (n_max + 7) / 8 * 8;
   gather_rows(pb, pb.tables + pb.seq[u.t0] * pb.max_blocks, u.kvh, p_begin, p_end, sc);
-  sc.scores.resize(num_queries * stride);
+  ensure_size(sc.scores, num_queries * stride);  // a query's scores are written before read
   float* scores = sc.scores.data();
   // query j = (token u.t0 + j / heads, head kvh * group + u.h0 + j % heads): its q row and its
   // last position relative to p_begin (no divisions in the loops below)
