@@ -35,13 +35,18 @@ constexpr int kPairTile = 2;    // pairs of groups per tile: 32 output rows
 // Activation rows per tile: NP x MR int32 sums and float accumulators take 16 of the 32 vector
 // registers, leaving room for the weights and the broadcasts.
 constexpr int kRowTile = 4;
-// Regions of more rows go one pair at a time in tiles of 8 rows (the same 16 registers): each
-// pass over the weights unpacks them once for 8 rows instead of 4, so 5-8 rows take one pass,
-// not two, and 9-16 two, not three or four. Measured on a Xeon with AMX at SmolLM2-135M's
-// shapes (2 threads, weights cycled through 30 copies, in-process A/B): a step's products (30
-// layers and the LM head) 0.895 / 0.91 / 0.93 / 0.94 / 0.94 of the time at 5 / 6 / 8 / 9 / 11
-// rows; the Q4_1 layers alone 0.85-0.94.
+// Regions of more rows go one pair at a time in tiles of up to 8 rows (acc and dot take 16
+// registers): each pass over the weights unpacks them once for 8 rows instead of 4. Regions of
+// up to kFewRows rows (a verification step, c=8 with a few draft rows) take tiles of up to 12
+// (24 registers): 9-12 rows in one pass, 13-20 in two. Longer regions keep tiles of 8, where 12
+// spill. Measured on a Xeon with AMX at SmolLM2-135M's shapes (2 threads, weights cycled through
+// 30 copies, in-process A/B), a step's products (30 layers and the LM head): tiles of 8 against
+// 4, 0.895 / 0.91 / 0.93 / 0.94 / 0.94 of the time at 5 / 6 / 8 / 9 / 11 rows; on the VNNI path
+// forced, tiles of up to 12 against up to 8, 0.93 / 0.975 / 0.986 at 9 / 12 / 20 rows but 1.025
+// / 1.05 / 1.06 at 24 / 64 / 128.
 constexpr int kWideRowTile = 8;
+constexpr int kFewRowsTile = 12;
+constexpr int64_t kFewRows = 20;
 
 // int32 chains per output vector and block: with one or two rows a tile has too few independent
 // vpdpbusd chains to hide their latency, so each block's sum is split in two (added at the end,
@@ -244,23 +249,32 @@ void run_rows(const Kernel& kernel, const Pair* pairs, int64_t m_begin, int64_t 
   }
 }
 
-// Rows [m_begin, m_end) against one pair, in row tiles of kWideRowTile and a remainder.
+// Rows [m_begin, m_end) against one pair, in the fewest row tiles of at most kFewRowsTile rows
+// (kWideRowTile for more than kFewRows), of sizes as equal as they go (13 rows: 6 + 7, not 12 +
+// 1: a tile of few rows pays a whole pass over the weights for them).
 template <typename Kernel>
 void run_wide_rows(const Kernel& kernel, const Pair* pair, int64_t m_begin, int64_t m_end,
                    int64_t N, float* out) {
+  const int64_t most = m_end - m_begin <= kFewRows ? kFewRowsTile : kWideRowTile;
+  const int64_t num_tiles = (m_end - m_begin + most - 1) / most;
   int64_t m = m_begin;
-  for (; m + kWideRowTile <= m_end; m += kWideRowTile) {
-    tile_and_store<1, kWideRowTile>(kernel, pair, m, N, out);
-  }
-  switch (m_end - m) {
-    case 7: tile_and_store<1, 7>(kernel, pair, m, N, out); break;
-    case 6: tile_and_store<1, 6>(kernel, pair, m, N, out); break;
-    case 5: tile_and_store<1, 5>(kernel, pair, m, N, out); break;
-    case 4: tile_and_store<1, 4>(kernel, pair, m, N, out); break;
-    case 3: tile_and_store<1, 3>(kernel, pair, m, N, out); break;
-    case 2: tile_and_store<1, 2>(kernel, pair, m, N, out); break;
-    case 1: tile_and_store<1, 1>(kernel, pair, m, N, out); break;
-    default: break;
+  for (int64_t left = num_tiles; left > 0; --left) {
+    const int64_t rows = (m_end - m) / left;
+    switch (rows) {
+      case 12: tile_and_store<1, 12>(kernel, pair, m, N, out); break;
+      case 11: tile_and_store<1, 11>(kernel, pair, m, N, out); break;
+      case 10: tile_and_store<1, 10>(kernel, pair, m, N, out); break;
+      case 9: tile_and_store<1, 9>(kernel, pair, m, N, out); break;
+      case 8: tile_and_store<1, 8>(kernel, pair, m, N, out); break;
+      case 7: tile_and_store<1, 7>(kernel, pair, m, N, out); break;
+      case 6: tile_and_store<1, 6>(kernel, pair, m, N, out); break;
+      case 5: tile_and_store<1, 5>(kernel, pair, m, N, out); break;
+      case 4: tile_and_store<1, 4>(kernel, pair, m, N, out); break;
+      case 3: tile_and_store<1, 3>(kernel, pair, m, N, out); break;
+      case 2: tile_and_store<1, 2>(kernel, pair, m, N, out); break;
+      default: tile_and_store<1, 1>(kernel, pair, m, N, out); break;
+    }
+    m += rows;
   }
 }
 
