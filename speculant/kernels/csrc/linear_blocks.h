@@ -12,11 +12,11 @@
 
 namespace speculant {
 
-// Raw pointers into the activations quantized per row per block of 32 (linear.cpp).
 // Activation rows are allocated in multiples of this (q only): an AMX tile loads 16 rows at a
 // time, and a partial last tile reads rows past M (their products are never read back).
 constexpr int64_t kActsRowPad = 16;
 
+// Raw pointers into the activations quantized per row per block of 32 (linear.cpp).
 struct ActsView {
   const int8_t* q;       // [M, K] int8, room for M rounded up to kActsRowPad rows
   const float* d;        // [M, nb] block scale: x ~= d * q
