@@ -379,6 +379,14 @@ class Speculator(ABC):
         wants rows. Default: all."""
         return num_tokens
 
+    def rest(self, seq_id: int) -> None:
+        """The chain will not ask this drafter for `seq_id` for a while (it lost there:
+        `drafter_ledger.py`): drop what following the sequence costs. Default: nothing."""
+
+    def wake(self, seq_id: int, history_len: int) -> None:
+        """The chain may ask for `seq_id` again (its history now `history_len` tokens, the
+        last of them not in the target's KV yet): follow it again from here. Default: nothing."""
+
     @abstractmethod
     def begin(self, seq_id: int, prompt_ids: list[int]) -> None:
         """A sequence starts with this prompt. Raises ValueError if seq_id is already active."""

@@ -50,6 +50,7 @@ from speculant.speculators.calibration import (
 )
 from speculant.speculators.call_cost import DraftCallCost
 from speculant.speculators.counters import AcceptanceCounters, total
+from speculant.speculators.drafter_ledger import DrafterLedger
 from speculant.speculators.base import (
     CommittedTokens,
     Draft,
@@ -155,11 +156,17 @@ class _SeqState:
     # per model drafter asked about it so far: the history length it was last asked at
     read_by: dict[str, int] = field(default_factory=dict)
     num_prompt_tokens: int = 0
+    # the winner's (model drafter, bucket, its rival's expected gain) for the ledger, when a
+    # model drafter's draft won the round
+    ledger_entry: tuple[str, int, float] | None = None
 
 
 class SpeculatorChain:
     def __init__(self, speculators: list[Speculator], probe_interval: int = 16,
-                 clock=time.perf_counter):
+                 clock=time.perf_counter, rest_losers: bool | None = None):
+        """`rest_losers`: whether model drafters rest where their ledger shows them losing
+        (drafter_ledger.py); None: unless `probe_interval` is 0 (no back-off of any kind:
+        every proposal verified)."""
         names = [s.name for s in speculators]
         if len(set(names)) != len(names):
             raise ValueError(f"speculator listed twice in the chain: {names}")
@@ -194,6 +201,13 @@ class SpeculatorChain:
         # the last round's model drafters reading history they had missed (see
         # `Speculator.catch_up_seconds`): the tuner does not charge it to a probe of drafting
         self.round_catch_up_seconds = 0.0
+        # what each model drafter gained and cost per concurrency: it rests where it loses
+        # (drafter_ledger.py); the sequences each resting drafter was told to rest
+        self.ledger = DrafterLedger()
+        self.rest_losers = rest_losers
+        self._resting: dict[str, set[int]] = {name: set() for name in self._calibration}
+        self._round_bucket = 1  # the last draft round's concurrency bucket
+        self._seconds_per_token = 0.0  # ... and what a plain token cost then
 
     @property
     def names(self) -> list[str]:
@@ -239,8 +253,12 @@ class SpeculatorChain:
         for name, spec in self.speculators.items():
             mine = [c for c in batch if c.seq_id in self._seqs and name in self._seqs[c.seq_id].types]
             if mine:
+                t0 = self._clock()
                 with self._timed(name, "process"):
                     spec.process(mine)
+                if spec.is_model_based and self._seconds_per_token > 0:
+                    self.ledger.charge(name, self._round_bucket,
+                                       (self._clock() - t0) / self._seconds_per_token)
 
     def observe_step(self, seconds: float) -> None:
         """The engine's step took `seconds` (drafting, forward, verification): from the first
@@ -252,6 +270,8 @@ class SpeculatorChain:
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return
+        for resting in self._resting.values():
+            resting.discard(seq_id)
         for name in state.types:
             self.speculators[name].end(seq_id)
 
@@ -276,6 +296,8 @@ class SpeculatorChain:
         for name, credit in self._probe_credit.items():
             self._probe_credit[name] = min(MAX_PROBE_CREDIT_S, credit + PROBE_TIME_SHARE * gap)
         self._start_round(requests)
+        bucket = self._round_bucket = self.ledger.bucket(len(requests))
+        self._seconds_per_token = seconds_per_token
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         # best_of: seq_id -> (proposals judged, best draft, its gain), reused for the winner
@@ -283,6 +305,8 @@ class SpeculatorChain:
         best_of: dict[int, tuple] = {}
         for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
             mine = [r for r in requests if name in self._seqs[r.seq_id].types]
+            if spec.is_model_based and mine and self._rests(name, spec, mine, bucket):
+                continue
             if spec.is_model_based:
                 for r in mine:
                     if best_of.get(r.seq_id, (-1,))[0] != len(proposals[r.seq_id]):
@@ -300,6 +324,8 @@ class SpeculatorChain:
             with self._timed(name, "draft"):
                 drafts = spec.draft(mine)
             if spec.is_model_based:
+                if seconds_per_token > 0:
+                    self.ledger.charge(name, bucket, (self._clock() - t0) / seconds_per_token)
                 spent = max(0.0, self._clock() - t0 - spec.sunk_draft_seconds)
                 self._observe_draft_time(name, spent, spec.catch_up_seconds, mine, drafts)
                 first = spent if spec.first_seconds is None else spec.first_seconds
@@ -332,10 +358,34 @@ class SpeculatorChain:
             untrimmed = None if best is None else next(d for d in drafts if d.source == best.source)
             state.winner_tokens = [] if untrimmed is None else untrimmed.token_ids
             state.winner_probs = None if untrimmed is None else untrimmed.token_probs
+            state.ledger_entry = None
             if best is not None:
                 state.silent_steps = 0
                 winners[seq_id] = best
+                if best.source in self._resting:  # a model drafter's: its rows and gain booked
+                    self.ledger.charge(best.source, bucket, len(best) * cost_per_token)
+                    rival = best_of.get(seq_id, (0, None, 0.0))[2]
+                    state.ledger_entry = (best.source, bucket, max(0.0, rival))
         return winners
+
+    def _rests(self, name: str, spec: Speculator, requests: list[DraftRequest],
+               bucket: int) -> bool:
+        """Whether model drafter `name` rests this round (drafter_ledger.py): its sequences are
+        told to rest while it does, and woken (their features kept again) when it no longer
+        does, so that the trial that follows a rest can draft."""
+        resting = self._resting[name]
+        rests = self.probe_interval > 0 if self.rest_losers is None else self.rest_losers
+        if rests and self.ledger.resting(name, bucket):
+            for r in requests:
+                if r.seq_id not in resting:
+                    resting.add(r.seq_id)
+                    spec.rest(r.seq_id)
+            return True
+        for r in requests:
+            if r.seq_id in resting:
+                resting.discard(r.seq_id)
+                spec.wake(r.seq_id, len(r.token_ids))
+        return False
 
     def shadow(self, requests: list[DraftRequest]) -> None:
         """A round where nothing is verified (the tuner decodes plain): the model-free
@@ -579,6 +629,10 @@ class SpeculatorChain:
         if not 0 <= num_accepted <= len(winner):
             raise ValueError(f"chain: {num_accepted} accepted of a {len(winner)}-token draft")
         self.stats[winner.source].record_verified(len(winner), num_accepted)
+        if state.ledger_entry is not None:
+            name, bucket, rival = state.ledger_entry
+            self.ledger.credit(name, bucket, num_accepted - rival)
+            state.ledger_entry = None
         state.probe_every.pop(winner.source, None)  # verified again: probe at the base rate
         ctx = state.context[winner.source]
         self._observe(state, winner.source, len(winner), num_accepted)

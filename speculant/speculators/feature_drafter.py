@@ -412,6 +412,20 @@ class FeatureDrafter(Speculator):
         state.clear_features()
         state.dormant = True
 
+    def rest(self, seq_id: int) -> None:
+        """Dormant until woken: no features kept, none captured (`feature_rows`)."""
+        state = self._seqs.get(seq_id)
+        if state is not None and not state.dormant:
+            self._sleep(seq_id, state)
+
+    def wake(self, seq_id: int, history_len: int) -> None:
+        """Keep features again from the step the target runs next (the window starts there,
+        as a dormant sequence's does when asked)."""
+        state = self._seqs.get(seq_id)
+        if state is not None and state.dormant:
+            state.dormant = False
+            state.base = history_len - 1  # the positions the target's KV holds
+
     def _is_silent(self, state: _SeqState) -> bool:
         return state.asked_len is None or \
             state.base + state.cached_len + len(state.tokens) - state.asked_len > SILENT_AFTER

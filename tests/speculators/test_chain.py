@@ -556,7 +556,7 @@ def test_shadow_probes_stay_within_their_share_of_decoding_time():
     for seconds_per_token in (0.0, 0.0026):  # 0: a plain token's time unknown, no budget
         clock = FakeClock()
         model = Hopeless("model", clock, seconds_per_ask=0.012)
-        chain = SpeculatorChain([model], clock=clock)
+        chain = SpeculatorChain([model], clock=clock, rest_losers=False)  # the budget alone
         num_rounds = 1000
         num_seqs = run_sequences(chain, 8, num_rounds, seconds_per_token, text, clock)
         spent[seconds_per_token] = clock.now - num_rounds * 8 * seconds_per_token
@@ -577,7 +577,7 @@ def test_the_shadow_budget_counts_the_engines_own_steps_not_other_engines_turns(
     for report in (True, False):
         clock = FakeClock()
         model = Hopeless("model", clock, seconds_per_ask=0.012)
-        chain = SpeculatorChain([model], clock=clock)
+        chain = SpeculatorChain([model], clock=clock, rest_losers=False)  # the budget alone
         step_s, num_rounds = 8 * 0.0026, 1000
         run_sequences(chain, 8, num_rounds, 0.0026, text, clock, others_s=4 * step_s,
                       report_steps=report)

@@ -518,6 +518,72 @@ def test_a_dormant_sequence_wakes_when_asked(eagle_engine, monkeypatch):
         probe.end(seq_id)
 
 
+@torch.inference_mode()
+def test_a_rested_sequence_keeps_no_features_and_drafts_again_once_woken(eagle_engine):
+    """The chain rests the head for a sequence it follows (drafter_ledger.py): no features are
+    captured or kept for it (`feature_rows` 0); woken, its window starts at the step the
+    target runs next, and fed that step's features it drafts."""
+    from speculant.llm import LLM
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+
+    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
+    tok = eagle_engine.tokenizer
+    prompt = tok.encode(chats(eagle_engine, ["Name a colour."])[0])
+    history = prompt + tok.encode(" Blue is the colour of a clear sky at noon, and of the sea.")
+    feats = LLM.from_engine(eagle_engine).hidden_states(history, probe.hidden_layers)
+    p, seq_id = len(prompt), 10**6 + 12
+
+    def commit(start, end):
+        probe.process([CommittedTokens(seq_id, start, history[start:end], history[end],
+                                       {i: f[start:end] for i, f in feats.items()})])
+
+    probe.begin(seq_id, prompt)
+    try:
+        commit(0, p)
+        drafts = probe.draft([DraftRequest(seq_id, history[:p + 1], DraftParams(n_max=2))])
+        assert len(drafts[seq_id].token_ids) == 2  # followed: it drafts
+        commit(p, p + 1)
+        probe.rest(seq_id)
+        assert probe.feature_rows(seq_id, 1) == 0
+        commit(p + 1, p + 2)  # a step while resting: nothing kept
+        commit(p + 2, p + 3)
+        probe.wake(seq_id, p + 4)  # history p + 4 tokens: positions 0..p + 2 in the KV
+        assert probe.feature_rows(seq_id, 1) == 1
+        commit(p + 3, p + 4)
+        drafts = probe.draft([DraftRequest(seq_id, history[:p + 5], DraftParams(n_max=3))])
+        assert len(drafts[seq_id].token_ids) == 3
+    finally:
+        probe.end(seq_id)
+
+
+def test_greedy_output_equals_plain_through_rests_and_wakes(eagle_engine, monkeypatch):
+    """The chain resting the head and waking it every few rounds (as the ledger does where it
+    loses) changes no output, and the head drafts between its rests."""
+    prompts = chats(eagle_engine, PROMPTS)
+    plain = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=40, temperature=0.0,
+                                                             spec=SpecParams(enabled=False)), 4)
+    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
+    calls = {"rest": 0, "wake": 0}
+    for call in calls:
+        original = getattr(probe, call)
+
+        def spy(*a, _call=call, _original=original):
+            calls[_call] += 1
+            return _original(*a)
+        monkeypatch.setattr(probe, call, spy)
+    rounds = iter(range(10**6))
+    monkeypatch.setattr(eagle_engine.chain.ledger, "resting",
+                        lambda name, bucket: next(rounds) % 6 >= 3)  # 3 rounds on, 3 off
+    monkeypatch.setattr(eagle_engine.chain, "probe_interval", 0)  # every draft verified...
+    monkeypatch.setattr(eagle_engine.chain, "rest_losers", True)  # ... but for the rests
+    spec = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=40, temperature=0.0,
+                                                            spec=SpecParams(n_max=3)), 4)
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert calls["rest"] >= 4 and calls["wake"] >= 4
+    assert sum(s.spec.num_draft_tokens for s in spec) > 0
+    assert eagle_engine.stats.num_speculator_errors == 0
+
+
 def packed_layer_probe(engine, num_rows: int, seed: int):
     """The engine's feature drafter (skips when its head has no packed layer), random hidden
     rows [num_rows, d] and as many random token ids."""

@@ -1,0 +1,170 @@
+"""The drafter ledger: a model drafter whose windows lose rests, longer each time, per
+concurrency bucket; one that pays never rests; the chain stops asking a resting drafter and
+tells its sequences to rest, then wakes them for the trial."""
+from speculant.speculators.base import CommittedTokens, Draft, DraftParams, DraftRequest, Speculator
+from speculant.speculators.chain import SpeculatorChain
+from speculant.speculators.drafter_ledger import (FIRST_REST, LOSS_SHARE, MAX_REST,
+                                                  MIN_COST_TOKENS, REST_GROWTH, WINDOW_ROUNDS,
+                                                  DrafterLedger)
+
+
+def run_window(ledger, gain_per_round, cost_per_round, bucket=8, name="m"):
+    """Rounds until a verdict (or WINDOW_ROUNDS + a few): the rounds asked, and whether the
+    last one rests."""
+    for i in range(1, 4 * WINDOW_ROUNDS):
+        if ledger.resting(name, bucket):
+            return i, True
+        ledger.charge(name, bucket, cost_per_round)
+        ledger.credit(name, bucket, gain_per_round)
+        if ledger.account(name, bucket).rounds == 0:  # a verdict that did not rest
+            return i, False
+    return None, False
+
+
+def rest_length(ledger, bucket=8, name="m"):
+    n = 0
+    while ledger.account(name, bucket).rest_left > 0:
+        assert ledger.resting(name, bucket)
+        n += 1
+    return n + 1  # the verdict's round was the first of the rest
+
+
+def test_a_drafter_that_pays_never_rests():
+    ledger = DrafterLedger()
+    for _ in range(20):
+        rounds, rests = run_window(ledger, gain_per_round=0.5, cost_per_round=0.5)
+        assert rounds is not None and not rests
+    assert ledger.summary()["m"][8]["num_rests"] == 0
+
+
+def test_a_losing_drafter_rests_longer_after_each_losing_window_and_is_tried_again():
+    ledger = DrafterLedger()
+    expected = FIRST_REST
+    for _ in range(6):
+        rounds, rests = run_window(ledger, gain_per_round=0.0, cost_per_round=1.0)
+        assert rests and rounds <= WINDOW_ROUNDS  # a decisive loss ends its window early
+        assert rest_length(ledger) == expected
+        expected = min(expected * REST_GROWTH, MAX_REST)
+    assert ledger.summary()["m"][8]["num_rests"] == 6
+    # a trial that pays brings the next rest back to the first length
+    run_window(ledger, gain_per_round=1.0, cost_per_round=1.0)
+    run_window(ledger, gain_per_round=0.0, cost_per_round=1.0)
+    assert rest_length(ledger) == FIRST_REST
+
+
+def test_a_window_gaining_more_than_its_loss_share_does_not_rest():
+    ledger = DrafterLedger()
+    _, rests = run_window(ledger, gain_per_round=(LOSS_SHARE + 0.05), cost_per_round=1.0)
+    assert not rests
+    _, rests = run_window(ledger, gain_per_round=(LOSS_SHARE - 0.05), cost_per_round=1.0)
+    assert rests
+
+
+def test_a_window_without_enough_cost_is_no_evidence():
+    """A drafter hardly asked (its window cost under MIN_COST_TOKENS) gets no verdict: its
+    window runs on until it has cost enough."""
+    ledger = DrafterLedger()
+    per_round = MIN_COST_TOKENS / (3 * WINDOW_ROUNDS)
+    for _ in range(2 * WINDOW_ROUNDS):
+        assert not ledger.resting("m", 8)
+        ledger.charge("m", 8, per_round)
+    assert ledger.account("m", 8).rounds == 2 * WINDOW_ROUNDS
+
+
+def test_buckets_and_drafters_keep_their_own_accounts():
+    ledger = DrafterLedger()
+    run_window(ledger, 0.0, 1.0, bucket=8, name="a")
+    assert ledger.account("a", 8).rest_left > 0
+    assert not ledger.resting("a", 1) and not ledger.resting("b", 8)
+    assert ledger.bucket(5) == 8 and ledger.bucket(1) == 1
+
+
+class CountingDrafter(Speculator):
+    """A model drafter that always drafts `wrong` (or right) tokens and records the chain's
+    rest and wake calls; each ask costs `seconds` of the chain's clock."""
+
+    name = "model"
+    is_model_based = True
+
+    def __init__(self, clock, seconds, right):
+        self.clock, self.seconds, self.right = clock, seconds, right
+        self.asks, self.rested, self.woken = 0, [], []
+
+    def begin(self, seq_id, prompt_ids):
+        pass
+
+    def draft(self, requests):
+        self.clock.now += self.seconds
+        self.asks += 1
+        return {r.seq_id: Draft([r.token_ids[-1] + 1] if self.right else [-5], token_probs=[0.9])
+                for r in requests}
+
+    def accept(self, seq_id, num_accepted, is_other):
+        pass
+
+    def end(self, seq_id):
+        pass
+
+    def rest(self, seq_id):
+        self.rested.append(seq_id)
+
+    def wake(self, seq_id, history_len):
+        self.woken.append((seq_id, history_len))
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run_chain(drafter, clock, num_rounds, num_seqs=8, rest_losers=True):
+    """`num_seqs` sequences counting up one token a round (or as many as the drafts got
+    accepted); a round's target step costs 1 ms a sequence. No back-off of the chain's pricing
+    (probe_interval 0): the ledger alone stops asking."""
+    chain = SpeculatorChain([drafter], probe_interval=0, clock=clock, rest_losers=rest_losers)
+    hist = {s: [1, 2, 3] for s in range(num_seqs)}
+    for s in hist:
+        chain.begin(s, hist[s], ("model",))
+    for _ in range(num_rounds):
+        clock.now += 0.001 * num_seqs
+        reqs = [DraftRequest(s, list(h), DraftParams(n_max=1)) for s, h in hist.items()]
+        winners = chain.draft(reqs, cost_per_token=0.5, seconds_per_token=0.001)
+        for s, d in winners.items():
+            accepted = int(d.token_ids[0] == hist[s][-1] + 1)
+            chain.accept(s, accepted)
+            hist[s].extend(range(hist[s][-1] + 1, hist[s][-1] + 2 + accepted))
+        for s, h in hist.items():
+            if s not in winners:
+                h.append(h[-1] + 1)
+        chain.process([CommittedTokens(s, len(h) - 2, h[-2:-1], h[-1]) for s, h in hist.items()])
+    return chain
+
+
+def test_the_chain_rests_a_losing_model_drafter_and_wakes_its_sequences_for_a_trial():
+    """Always wrong, each ask costing 3 ms against 1 ms a token: the chain stops asking it
+    after a window (its sequences told to rest), asks it again after the rest (the sequences
+    woken at their current history), and rests it longer after the losing trial."""
+    clock = Clock()
+    drafter = CountingDrafter(clock, seconds=0.003, right=False)
+    chain = run_chain(drafter, clock, num_rounds=WINDOW_ROUNDS + FIRST_REST + WINDOW_ROUNDS + 8)
+    record = chain.ledger.summary()["model"][8]
+    assert record["num_rests"] == 2 and record["resting"]
+    assert sorted(drafter.rested) == sorted(list(range(8)) * 2)
+    assert sorted(s for s, _ in drafter.woken) == list(range(8))
+    assert drafter.asks <= 2 * WINDOW_ROUNDS  # not once a round: ~2 windows
+    # without the ledger it is asked every round
+    clock2 = Clock()
+    always = CountingDrafter(clock2, seconds=0.003, right=False)
+    run_chain(always, clock2, num_rounds=WINDOW_ROUNDS + FIRST_REST, rest_losers=False)
+    assert always.asks == WINDOW_ROUNDS + FIRST_REST and not always.rested
+
+
+def test_the_chain_never_rests_a_model_drafter_that_pays():
+    clock = Clock()
+    drafter = CountingDrafter(clock, seconds=0.001, right=True)
+    chain = run_chain(drafter, clock, num_rounds=4 * WINDOW_ROUNDS)
+    assert chain.ledger.summary()["model"][8]["num_rests"] == 0
+    assert drafter.asks == 4 * WINDOW_ROUNDS and not drafter.rested
+    assert chain.stats["model"].num_accepted_tokens > 0
