@@ -59,6 +59,7 @@ class Run:
     num_reruns: int
     row_cost: float | None = None  # engine's fitted cost of a verified row (speculative runs)
     tuner: dict | None = None  # the tuner's state at the end of the run (--spec-tune)
+    rests: dict | None = None  # model drafters' rests at the end of the run (drafter_ledger.py)
 
     @property
     def decode_rate(self) -> float:
@@ -226,13 +227,13 @@ def _timed_run(engine, args, types, prompts, level, threads, label) -> Run:
         t0 = time.perf_counter()
         seqs = engine.run_to_completion(texts, params)
         return (time.perf_counter() - t0, engine.stats, seqs, engine.cost.cost_per_token(level),
-                engine.status().tuner)
+                engine.status())
 
-    (wall, stats, seqs, row_cost, tuner), usage, reruns = run_with_reruns(
+    (wall, stats, seqs, row_cost, status), usage, reruns = run_with_reruns(
         once, threads, args.rerun_on_interference, label, args.interference_tolerance,
         warn=_progress_write)
     return Run(wall, stats, seqs, usage, reruns, row_cost if types else None,
-               tuner if types else None)
+               status.tuner if types else None, status.rests if types else None)
 
 
 def _interleaved_run(engines: dict, args, methods, prompts, level, threads, label) -> dict[str, Run]:
@@ -251,15 +252,15 @@ def _interleaved_run(engines: dict, args, methods, prompts, level, threads, labe
             engine.reset_stats()
         done = run_interleaved(order, texts, [_params(args, types) for _, types in methods],
                                args.interleave_seconds)
-        return [(d.wall_s, e.stats, d.seqs, e.cost.cost_per_token(level), e.status().tuner)
+        return [(d.wall_s, e.stats, d.seqs, e.cost.cost_per_token(level), e.status())
                 for d, e in zip(done, order)]
 
     measured, usage, reruns = run_with_reruns(
         once, threads, args.rerun_on_interference, label, args.interference_tolerance,
         warn=_progress_write)
     return {name: Run(wall, stats, seqs, usage, reruns, row_cost if types else None,
-                      tuner if types else None)
-            for (name, types), (wall, stats, seqs, row_cost, tuner) in zip(methods, measured)}
+                      status.tuner if types else None, status.rests if types else None)
+            for (name, types), (wall, stats, seqs, row_cost, status) in zip(methods, measured)}
 
 
 def _result(name: str, category: str, level: int, runs: list[Run],
@@ -288,6 +289,7 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         num_reruns=sum(r.num_reruns for r in runs),
         row_cost=None if chosen.row_cost is None else round(chosen.row_cost, 4),
         tuner=chosen.tuner,
+        rests=chosen.rests,
         token_ids=[[s.output_ids for s in r.seqs] for r in runs],
     )
 

@@ -64,6 +64,10 @@ Result: one method on one category at one concurrency
                         the draft limit the tuner settled on (`n_max`, 0 = plain decoding), its
                         decode steps, how often it switched speculation off, goodput per limit
                         and its speedup over plain decoding measured at the same moments
+  rests                 per model drafter (eagle3, mtp, draft) and concurrency bucket: how often
+                        the chain rested it where its measured gain fell under its cost
+                        (`num_rests`, `num_rounds_rested`, `resting` at the end of the run;
+                        speculators/drafter_ledger.py); null for plain and without model drafters
 
 Category
   num_prompts
@@ -132,6 +136,7 @@ class RunResult:
     num_reruns: int = 0
     row_cost: float | None = None
     tuner: dict | None = None
+    rests: dict | None = None
     token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
 
     def to_dict(self) -> dict:

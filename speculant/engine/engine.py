@@ -68,6 +68,8 @@ class EngineStatus:
     num_speculator_errors: int
     num_preemptions: int  # sequences whose KV was dropped to make room (then recomputed)
     tuner: dict | None = None  # SpecTuner.summary() when the tuner runs
+    # per model drafter, per concurrency bucket: its rests (chain's DrafterLedger.summary())
+    rests: dict | None = None
 
 
 @dataclass(slots=True)
@@ -308,7 +310,8 @@ class Engine:
             num_free_blocks=cache.num_free_blocks, block_size=cache.block_size,
             num_steps=self.stats.num_steps, num_speculator_errors=self.stats.num_speculator_errors,
             num_preemptions=self.scheduler.num_preemptions,
-            tuner=None if self.tuner is None else self.tuner.summary())
+            tuner=None if self.tuner is None else self.tuner.summary(),
+            rests=self.chain.ledger.summary() or None)
 
     @property
     def speculator_names(self) -> list[str]:

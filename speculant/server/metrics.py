@@ -30,6 +30,7 @@ def engine_snapshot(engine) -> dict:
         "num_speculator_errors": status.num_speculator_errors,
         "num_preemptions": status.num_preemptions,
         "tuner": status.tuner or {},
+        "rests": status.rests or {},
         "speculators": {name: {
             "num_proposals": s.num_proposals,
             "num_scored": s.num_scored,
@@ -111,6 +112,7 @@ class _EngineCollector:
                        "(recomputed later; their output is unchanged)", s["num_preemptions"])
         yield from _spec_counters(s["speculators"])
         yield from _tuner_metrics(s.get("tuner") or {})
+        yield from _rest_metrics(s.get("rests") or {})
 
 
 def _tuner_metrics(tuner: dict):
@@ -124,6 +126,22 @@ def _tuner_metrics(tuner: dict):
         off.add_metric([bucket], state["num_switches_off"])
     yield n_max
     yield off
+
+
+def _rest_metrics(rests: dict):
+    """Model drafters the chain rested where they lost (speculators/drafter_ledger.py)."""
+    labels = ["speculator", "bucket"]
+    total = CounterMetricFamily(P + "spec_drafter_rests", "Times the chain rested a model "
+                                "drafter whose measured gain fell under its cost, by "
+                                "concurrency bucket", labels=labels)
+    now = GaugeMetricFamily(P + "spec_drafter_resting", "1 while the chain rests a model "
+                            "drafter, by concurrency bucket", labels=labels)
+    for name, buckets in rests.items():
+        for bucket, state in buckets.items():
+            total.add_metric([name, str(bucket)], state["num_rests"])
+            now.add_metric([name, str(bucket)], int(state["resting"]))
+    yield total
+    yield now
 
 
 def _spec_counters(speculators: dict):

@@ -207,6 +207,7 @@ class SpeculatorChain:
         self.rest_losers = rest_losers
         self._resting: dict[str, set[int]] = {name: set() for name in self._calibration}
         self._round_bucket = 1  # the last draft round's concurrency bucket
+        self._solo_seq: int | None = None  # the last sequence that decoded alone
         self._seconds_per_token = 0.0  # ... and what a plain token cost then
 
     @property
@@ -298,6 +299,10 @@ class SpeculatorChain:
         self._start_round(requests)
         bucket = self._round_bucket = self.ledger.bucket(len(requests))
         self._seconds_per_token = seconds_per_token
+        if len(requests) == 1 and requests[0].seq_id != self._solo_seq:
+            self._solo_seq = requests[0].seq_id  # a new request alone: its own record
+            for name in self._resting:
+                self.ledger.restart(name, 1)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         # best_of: seq_id -> (proposals judged, best draft, its gain), reused for the winner

@@ -32,7 +32,7 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "acceptance_rate", "draft_time_share", "identical_to_plain", "num_steps",
                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "interference",
                "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost", "tuner",
-               "repeats_speedup", "vs_untuned"}
+               "rests", "repeats_speedup", "vs_untuned"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "interleave_s": 0.1, "peer_repeats": 1,

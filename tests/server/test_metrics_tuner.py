@@ -1,4 +1,5 @@
-"""/metrics shows the online tuner's choice per concurrency bucket (--spec-tune)."""
+"""/metrics shows the online tuner's choice per concurrency bucket (--spec-tune) and the
+model drafters the chain rested (drafter_ledger.py)."""
 from conftest import TEST_THREADS
 from speculant.engine.engine import Engine
 from speculant.engine.sampling_params import SamplingParams
@@ -15,3 +16,18 @@ def test_tuner_choice_and_switches_are_exported():
     chosen = engine.status().tuner["1"]["n_max"]
     assert f'speculant:spec_tuner_n_max{{bucket="1"}} {float(chosen)}' in text
     assert 'speculant:spec_tuner_switches_off_total{bucket="1"}' in text
+
+
+def test_model_drafter_rests_are_exported():
+    """A drafter whose window lost (charged, never credited) is resting in its bucket; the
+    engine's status and /metrics say so."""
+    engine = Engine(model="default", spec_type=["synthetic"], num_threads=TEST_THREADS,
+                    kv_cache_tokens=4096)
+    ledger = engine.chain.ledger
+    while not ledger.resting("eagle3", 8):
+        ledger.charge("eagle3", 8, 1.0)
+    assert ledger.account("eagle3", 8).rest_left > 0
+    assert engine.status().rests["eagle3"][8]["num_rests"] == 1
+    text = ServerMetrics().render(engine_snapshot(engine)).decode()
+    assert 'speculant:spec_drafter_rests_total{bucket="8",speculator="eagle3"} 1.0' in text
+    assert 'speculant:spec_drafter_resting{bucket="8",speculator="eagle3"} 1.0' in text

@@ -119,16 +119,11 @@ class Clock:
         return self.now
 
 
-def run_chain(drafter, clock, num_rounds, num_seqs=8, rest_losers=True):
-    """`num_seqs` sequences counting up one token a round (or as many as the drafts got
-    accepted); a round's target step costs 1 ms a sequence. No back-off of the chain's pricing
-    (probe_interval 0): the ledger alone stops asking."""
-    chain = SpeculatorChain([drafter], probe_interval=0, clock=clock, rest_losers=rest_losers)
-    hist = {s: [1, 2, 3] for s in range(num_seqs)}
-    for s in hist:
-        chain.begin(s, hist[s], ("model",))
+def run_rounds(chain, hist, num_rounds, clock):
+    """Sequences `hist` (seq_id -> history) counting up one token a round (or as many as their
+    drafts got accepted); a round's target step costs 1 ms a sequence."""
     for _ in range(num_rounds):
-        clock.now += 0.001 * num_seqs
+        clock.now += 0.001 * len(hist)
         reqs = [DraftRequest(s, list(h), DraftParams(n_max=1)) for s, h in hist.items()]
         winners = chain.draft(reqs, cost_per_token=0.5, seconds_per_token=0.001)
         for s, d in winners.items():
@@ -139,6 +134,16 @@ def run_chain(drafter, clock, num_rounds, num_seqs=8, rest_losers=True):
             if s not in winners:
                 h.append(h[-1] + 1)
         chain.process([CommittedTokens(s, len(h) - 2, h[-2:-1], h[-1]) for s, h in hist.items()])
+
+
+def run_chain(drafter, clock, num_rounds, num_seqs=8, rest_losers=True):
+    """`num_seqs` sequences decoding for `num_rounds` rounds. No back-off of the chain's
+    pricing (probe_interval 0): the ledger alone stops asking."""
+    chain = SpeculatorChain([drafter], probe_interval=0, clock=clock, rest_losers=rest_losers)
+    hist = {s: [1, 2, 3] for s in range(num_seqs)}
+    for s in hist:
+        chain.begin(s, hist[s], ("model",))
+    run_rounds(chain, hist, num_rounds, clock)
     return chain
 
 
@@ -168,3 +173,20 @@ def test_the_chain_never_rests_a_model_drafter_that_pays():
     assert chain.ledger.summary()["model"][8]["num_rests"] == 0
     assert drafter.asks == 4 * WINDOW_ROUNDS and not drafter.rested
     assert chain.stats["model"].num_accepted_tokens > 0
+
+
+def test_a_new_request_decoding_alone_starts_its_own_record():
+    """At concurrency 1 a rest earned on one request's text does not carry into the next
+    request: its first round asks the drafter again, with a fresh window."""
+    clock = Clock()
+    drafter = CountingDrafter(clock, seconds=0.003, right=False)
+    chain = run_chain(drafter, clock, num_rounds=WINDOW_ROUNDS + 4, num_seqs=1)
+    assert chain.ledger.account("model", 1).rest_left > 0
+    asks = drafter.asks
+    run_rounds(chain, {0: list(range(1, 60))}, 4, clock)  # the same request rests on
+    assert drafter.asks == asks
+    chain.end(0)
+    chain.begin(1, [1, 2, 3], ("model",))
+    run_rounds(chain, {1: [1, 2, 3]}, 1, clock)
+    assert drafter.asks == asks + 1 and chain.ledger.account("model", 1).rest_left == 0
+    assert chain.ledger.summary()["model"][1]["num_rests"] == 1
