@@ -403,6 +403,10 @@ class Engine:
 
     def _propose(self, decoding: list[Sequence]) -> dict[int, Draft]:
         self.chain.round_catch_up_seconds = 0.0
+        if self.tuner is None and self.chain.resting_round(
+                [(s.seq_id, s.spec_types) for s in decoding
+                 if s.spec_types and self._n_max(s.params) > 0]):
+            return {}  # every speculator asked rests this round (drafter_ledger.py)
         requests, watched = [], []
         shadow = self._tuned_n_max == 0 and self.tuner.shadow_due(len(decoding))
         for seq in decoding:

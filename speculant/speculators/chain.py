@@ -297,12 +297,8 @@ class SpeculatorChain:
         for name, credit in self._probe_credit.items():
             self._probe_credit[name] = min(MAX_PROBE_CREDIT_S, credit + PROBE_TIME_SHARE * gap)
         self._start_round(requests)
-        bucket = self._round_bucket = self.ledger.bucket(len(requests))
+        bucket = self._round_bucket = self._ledger_bucket([r.seq_id for r in requests])
         self._seconds_per_token = seconds_per_token
-        if len(requests) == 1 and requests[0].seq_id != self._solo_seq:
-            self._solo_seq = requests[0].seq_id  # a new request alone: its own record
-            for name in self._resting:
-                self.ledger.restart(name, 1)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         # best_of: seq_id -> (proposals judged, best draft, its gain), reused for the winner
@@ -372,6 +368,37 @@ class SpeculatorChain:
                     rival = best_of.get(seq_id, (0, None, 0.0))[2]
                     state.ledger_entry = (best.source, bucket, max(0.0, rival))
         return winners
+
+    def _ledger_bucket(self, seq_ids: list[int]) -> int:
+        """The ledger's bucket of a round drafting for `seq_ids`; a sequence decoding alone
+        that is not the one before (a new request) starts bucket 1's accounts over."""
+        if len(seq_ids) == 1 and seq_ids[0] != self._solo_seq:
+            self._solo_seq = seq_ids[0]
+            for name in self._resting:
+                self.ledger.restart(name, 1)
+        return self.ledger.bucket(len(seq_ids))
+
+    def resting_round(self, seqs: list[tuple[int, tuple[str, ...]]]) -> bool:
+        """A draft round for `seqs` ((seq_id, speculator types) each) in which every one of
+        their speculators is a model drafter resting through it: the round is counted, new
+        sequences are told to rest, and True says there is nothing to draft (the engine then
+        builds no request: per sequence and step that cost ~1% of a c=8 run where `eagle3`
+        rested). False: draft as usual (`draft`)."""
+        names = {name for _, types in seqs for name in types}
+        bucket = self._ledger_bucket([seq_id for seq_id, _ in seqs])
+        rests = self.probe_interval > 0 if self.rest_losers is None else self.rest_losers
+        if not rests or any(name not in self._resting
+                            or self.ledger.account(name, bucket).rest_left == 0 for name in names):
+            return False
+        self._round_bucket = bucket
+        for name in names:
+            self.ledger.resting(name, bucket)
+            resting, spec = self._resting[name], self.speculators[name]
+            for seq_id, types in seqs:
+                if name in types and seq_id not in resting:
+                    resting.add(seq_id)
+                    spec.rest(seq_id)
+        return True
 
     def _rests(self, name: str, spec: Speculator, requests: list[DraftRequest],
                bucket: int) -> bool:

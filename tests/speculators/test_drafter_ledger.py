@@ -190,3 +190,22 @@ def test_a_new_request_decoding_alone_starts_its_own_record():
     run_rounds(chain, {1: [1, 2, 3]}, 1, clock)
     assert drafter.asks == asks + 1 and chain.ledger.account("model", 1).rest_left == 0
     assert chain.ledger.summary()["model"][1]["num_rests"] == 1
+
+
+def test_a_round_whose_drafters_all_rest_is_counted_without_requests():
+    """`resting_round`: while the only speculator rests, a round is counted (the rest runs
+    down by one) and a sequence begun meanwhile is told to rest; with a model-free speculator
+    in the chain, or once the rest is over, rounds draft as usual."""
+    clock = Clock()
+    drafter = CountingDrafter(clock, seconds=0.003, right=False)
+    chain = run_chain(drafter, clock, num_rounds=WINDOW_ROUNDS + 2)
+    acct = chain.ledger.account("model", 8)
+    left, asks = acct.rest_left, drafter.asks
+    assert left > 2
+    chain.begin(99, [1, 2, 3], ("model",))
+    seqs = [(s, ("model",)) for s in list(range(7)) + [99]]  # 8: the same bucket
+    assert chain.resting_round(seqs)
+    assert acct.rest_left == left - 1 and drafter.asks == asks and 99 in drafter.rested
+    assert not chain.resting_round([(0, ("model", "ngram_simple"))])  # not all of them rest
+    acct.rest_left = 0
+    assert not chain.resting_round(seqs)
