@@ -369,6 +369,9 @@ class SpeculatorChain:
                     state.ledger_entry = (best.source, bucket, max(0.0, rival))
         return winners
 
+    def _rests_losers(self) -> bool:
+        return self.probe_interval > 0 if self.rest_losers is None else self.rest_losers
+
     def _ledger_bucket(self, seq_ids: list[int]) -> int:
         """The ledger's bucket of a round drafting for `seq_ids`; a sequence decoding alone
         that is not the one before (a new request) starts bucket 1's accounts over."""
@@ -386,8 +389,7 @@ class SpeculatorChain:
         rested). False: draft as usual (`draft`)."""
         names = {name for _, types in seqs for name in types}
         bucket = self._ledger_bucket([seq_id for seq_id, _ in seqs])
-        rests = self.probe_interval > 0 if self.rest_losers is None else self.rest_losers
-        if not rests or any(name not in self._resting
+        if not self._rests_losers() or any(name not in self._resting
                             or self.ledger.account(name, bucket).rest_left == 0 for name in names):
             return False
         self._round_bucket = bucket
@@ -406,8 +408,7 @@ class SpeculatorChain:
         told to rest while it does, and woken (their features kept again) when it no longer
         does, so that the trial that follows a rest can draft."""
         resting = self._resting[name]
-        rests = self.probe_interval > 0 if self.rest_losers is None else self.rest_losers
-        if rests and self.ledger.resting(name, bucket):
+        if self._rests_losers() and self.ledger.resting(name, bucket):
             for r in requests:
                 if r.seq_id not in resting:
                     resting.add(r.seq_id)

@@ -14,10 +14,10 @@ worth of plain decoding time,
 
 A window that cost at least MIN_COST_TOKENS and gained less than LOSS_SHARE of it sends the
 drafter to *rest* in that bucket for FIRST_REST rounds, REST_GROWTH times longer after each
-further losing window (up to MAX_REST), back to FIRST_REST after a window that did not lose. A resting drafter is not
-asked at all (no pricing, no shadow drafts), and its sequences are told to `rest` (a feature
-drafter then keeps no target features for them and the target captures none); when the rest
-ends they are woken and the next window is a trial. A sequence decoding alone that is not the
+further losing window (up to MAX_REST), back to FIRST_REST after a window that did not lose. A
+resting drafter is not asked at all (no pricing, no shadow drafts), and its sequences are told
+to `rest` (a feature drafter then keeps no target features for them and the target captures
+none); when the rest ends they are woken and the next window is a trial. A sequence decoding alone that is not the
 one before (a new request at concurrency 1) starts its bucket's account over: resting on one
 request's text and carrying the rest (4x longer each time) into the next ones took `eagle3` on
 translation at c=1 from 1.23x to 1.10x plain in one bench run.

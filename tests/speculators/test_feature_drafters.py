@@ -480,26 +480,37 @@ def test_a_sequence_the_head_is_never_asked_for_falls_dormant(eagle_engine, monk
     assert eagle_engine.stats.num_speculator_errors == 0
 
 
-@torch.inference_mode()
-def test_a_dormant_sequence_wakes_when_asked(eagle_engine, monkeypatch):
-    """Asked for a dormant sequence, the head drafts nothing that round and starts its window
-    at the step the target runs next; fed that step's features, it drafts again."""
+def fed_probe(engine, seq_id: int, answer: str):
+    """The engine's feature drafter, a chat prompt's ids, the history prompt + `answer` and
+    `commit(start, end)`, which hands the drafter positions start..end-1 of the history with
+    the target's features (`LLM.hidden_states`), as the engine's steps would."""
     from speculant.llm import LLM
-    from speculant.speculators import feature_drafter
-    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+    from speculant.speculators.base import CommittedTokens
 
-    monkeypatch.setattr(feature_drafter, "DORMANT_AFTER", 4)
-    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
-    tok = eagle_engine.tokenizer
-    prompt = tok.encode(chats(eagle_engine, ["Name a colour."])[0])
-    history = prompt + tok.encode(" Blue is the colour of a clear sky at noon.")
-    feats = LLM.from_engine(eagle_engine).hidden_states(history, probe.hidden_layers)
-    p, seq_id = len(prompt), 10**6 + 11
+    probe = engine.speculator(engine.speculator_names[0])
+    tok = engine.tokenizer
+    prompt = tok.encode(chats(engine, ["Name a colour."])[0])
+    history = prompt + tok.encode(answer)
+    feats = LLM.from_engine(engine).hidden_states(history, probe.hidden_layers)
 
     def commit(start, end):
         probe.process([CommittedTokens(seq_id, start, history[start:end], history[end],
                                        {i: f[start:end] for i, f in feats.items()})])
 
+    return probe, prompt, history, commit
+
+
+@torch.inference_mode()
+def test_a_dormant_sequence_wakes_when_asked(eagle_engine, monkeypatch):
+    """Asked for a dormant sequence, the head drafts nothing that round and starts its window
+    at the step the target runs next; fed that step's features, it drafts again."""
+    from speculant.speculators import feature_drafter
+    from speculant.speculators.base import DraftParams, DraftRequest
+
+    monkeypatch.setattr(feature_drafter, "DORMANT_AFTER", 4)
+    probe, prompt, history, commit = fed_probe(eagle_engine, 10**6 + 11,
+                                               " Blue is the colour of a clear sky at noon.")
+    p, seq_id = len(prompt), 10**6 + 11
     probe.begin(seq_id, prompt)
     try:
         commit(0, p)
@@ -523,20 +534,11 @@ def test_a_rested_sequence_keeps_no_features_and_drafts_again_once_woken(eagle_e
     """The chain rests the head for a sequence it follows (drafter_ledger.py): no features are
     captured or kept for it (`feature_rows` 0); woken, its window starts at the step the
     target runs next, and fed that step's features it drafts."""
-    from speculant.llm import LLM
-    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+    from speculant.speculators.base import DraftParams, DraftRequest
 
-    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
-    tok = eagle_engine.tokenizer
-    prompt = tok.encode(chats(eagle_engine, ["Name a colour."])[0])
-    history = prompt + tok.encode(" Blue is the colour of a clear sky at noon, and of the sea.")
-    feats = LLM.from_engine(eagle_engine).hidden_states(history, probe.hidden_layers)
+    probe, prompt, history, commit = fed_probe(
+        eagle_engine, 10**6 + 12, " Blue is the colour of a clear sky at noon, and of the sea.")
     p, seq_id = len(prompt), 10**6 + 12
-
-    def commit(start, end):
-        probe.process([CommittedTokens(seq_id, start, history[start:end], history[end],
-                                       {i: f[start:end] for i, f in feats.items()})])
-
     probe.begin(seq_id, prompt)
     try:
         commit(0, p)
