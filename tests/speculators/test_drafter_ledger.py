@@ -209,3 +209,14 @@ def test_a_round_whose_drafters_all_rest_is_counted_without_requests():
     assert not chain.resting_round([(0, ("model", "ngram_simple"))])  # not all of them rest
     acct.rest_left = 0
     assert not chain.resting_round(seqs)
+
+
+def test_a_draining_batch_starts_its_smaller_buckets_rested_but_not_bucket_one():
+    ledger = DrafterLedger()
+    run_window(ledger, 0.0, 1.0, bucket=8)  # resting at c=8
+    assert ledger.resting("m", 4)  # the batch drains to 4 sequences: rested from the start
+    assert ledger.account("m", 4).rest_left == FIRST_REST - 1
+    assert ledger.summary()["m"][4]["num_rests"] == 1
+    assert not ledger.resting("m", 16)  # a wider bucket does not inherit
+    run_window(ledger, 0.0, 1.0, bucket=2)
+    assert not ledger.resting("m", 1)  # one request alone always starts fresh
