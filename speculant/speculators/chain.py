@@ -95,6 +95,29 @@ MAX_ROUND_GAP_S = 1.0
 # runs every category on one engine, and the share saved at c=1, where the head was asked and
 # not probed, went to probes at c=8 (translation, 16 prompts: probes 2.3% of the run, not 1%)
 MAX_PROBE_CREDIT_S = 0.005
+# The model-free speculators' ledger account, all of them together (drafter_ledger.py): what
+# their verified drafts gained against their draft calls and verified rows. Where a verified
+# row costs about what a plain token does (c=8 on a 2-core CPU: ~0.6) their drafts barely pay
+# for their rows and the calls cost the rest: `ngram_mod,suffix` on 40 math_reasoning prompts
+# at c=8 read 0.91-0.95x plain (Intel Xeon with AMX, 2 threads, interleaved in one process),
+# the forwards' time the same as plain's and the draft phase, verification and bookkeeping
+# +0.4 s of 7.6 s.
+MODEL_FREE = "model-free"
+# ... rests when a window gained less than its cost (a model drafter's windows are judged more
+# leniently, LOSS_SHARE: its gain is net of the model-free rival's)
+MODEL_FREE_LOSS_SHARE = 1.0
+# ... and, resting, still drafts every this many rounds: a verified draft then worth at least
+# WAKE_GAIN tokens (a confident copy starting) ends the rest, so a copy is missed by at most
+# this many rounds
+MODEL_FREE_PROBE_EVERY = 8
+WAKE_GAIN = 1.5
+# ... in concurrency buckets from this one on. Alone or in pairs a row costs ~0.2 of a token
+# and a failed draft little, while a copy missed costs a token a row: resting at c=1 (11-12
+# rests, ~650 of ~3,400 rounds, mt_bench and summarization, 16 prompts each, same Xeon) read
+# 1.457x plain against 1.469x without.
+MODEL_FREE_MIN_BUCKET = 4
+# what the model-free speculators do in a round (`_model_free_mode`)
+MF_DRAFT, MF_PROBE, MF_REST = 0, 1, 2
 
 
 def _read_window(read_to: int | None, history_len: int, num_prompt_tokens: int,
@@ -299,6 +322,8 @@ class SpeculatorChain:
         self._start_round(requests)
         bucket = self._round_bucket = self._ledger_bucket([r.seq_id for r in requests])
         self._seconds_per_token = seconds_per_token
+        mf_mode = self._model_free_mode(requests, bucket)
+        model_seconds = 0.0  # the model drafters' calls (the rest of the round is model-free)
         # Model drafters last: they cost time per drafted position, so they only run for the
         # sequences where the model-free proposals leave them something to win.
         # best_of: seq_id -> (proposals judged, best draft, its gain), reused for the winner
@@ -307,6 +332,8 @@ class SpeculatorChain:
         for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
             mine = [r for r in requests if name in self._seqs[r.seq_id].types]
             if spec.is_model_based and mine and self._rests(name, spec, mine, bucket):
+                continue
+            if not spec.is_model_based and mf_mode == MF_REST:
                 continue
             if spec.is_model_based:
                 for r in mine:
@@ -336,6 +363,7 @@ class SpeculatorChain:
                     0.0, first - spec.sunk_draft_seconds - spec.catch_up_seconds))
                 self._call_cost[name].observe_revival(spec.catch_up_rows, spec.catch_up_seconds)
                 self.round_catch_up_seconds += spec.catch_up_seconds
+                model_seconds += self._clock() - t0
             for r in mine:  # asked and silent: its next draft starts a new run
                 if len(drafts.get(r.seq_id) or ()) == 0:
                     self._seqs[r.seq_id].context[name] = NO_PROPOSAL
@@ -348,12 +376,13 @@ class SpeculatorChain:
                         self._calibration[name].record_first(d.token_probs[0])
         by_id = {r.seq_id: r for r in requests}
         winners: dict[int, Draft] = {}
+        wake = False
         for seq_id, drafts in proposals.items():
             state = self._seqs[seq_id]
             state.proposers = tuple(d.source for d in drafts)
             known = best_of.get(seq_id)
-            best = known[1] if known is not None and known[0] == len(drafts) else \
-                self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)[0]
+            best, gain = known[1:] if known is not None and known[0] == len(drafts) else \
+                self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)
             state.winner = best
             state.losers = tuple(d for d in drafts if best is None or d.source != best.source)
             untrimmed = None if best is None else next(d for d in drafts if d.source == best.source)
@@ -367,7 +396,40 @@ class SpeculatorChain:
                     self.ledger.charge(best.source, bucket, len(best) * cost_per_token)
                     rival = best_of.get(seq_id, (0, None, 0.0))[2]
                     state.ledger_entry = (best.source, bucket, max(0.0, rival))
+                elif mf_mode == MF_DRAFT:
+                    self.ledger.charge(MODEL_FREE, bucket, len(best) * cost_per_token)
+                    state.ledger_entry = (MODEL_FREE, bucket, 0.0)
+                elif mf_mode == MF_PROBE and gain >= WAKE_GAIN:
+                    wake = True
+        if wake:
+            self.ledger.wake(MODEL_FREE, bucket)
+        elif mf_mode == MF_DRAFT and seconds_per_token > 0:  # their calls and the judging
+            self.ledger.charge(MODEL_FREE, bucket,
+                               (self._clock() - now - model_seconds) / seconds_per_token)
         return winners
+
+    def _model_free_mode(self, requests: list[DraftRequest], bucket: int) -> int:
+        """Whether the model-free speculators draft this round (MF_DRAFT, the round joins
+        their ledger window), rest through it (MF_REST) or, resting, draft to see whether a
+        copy starts (MF_PROBE: every MODEL_FREE_PROBE_EVERY rounds of a rest)."""
+        if not self._rests_losers() or bucket < MODEL_FREE_MIN_BUCKET or not any(
+                not self.speculators[name].is_model_based
+                for r in requests for name in self._seqs[r.seq_id].types):
+            return MF_DRAFT
+        if not self.ledger.resting(MODEL_FREE, bucket, MODEL_FREE_LOSS_SHARE):
+            return MF_DRAFT
+        left = self.ledger.account(MODEL_FREE, bucket).rest_left
+        return MF_PROBE if left % MODEL_FREE_PROBE_EVERY == 0 else MF_REST
+
+    def _rests_through(self, name: str, bucket: int) -> bool:
+        """Whether speculator `name` is not asked at all in the next round of `bucket`: a model
+        drafter resting, a model-free one resting and not probing (`_model_free_mode`)."""
+        if name in self._resting:
+            return self.ledger.account(name, bucket).rest_left > 0
+        if name not in self.speculators or bucket < MODEL_FREE_MIN_BUCKET:
+            return False
+        left = self.ledger.account(MODEL_FREE, bucket).rest_left
+        return left > 0 and (left - 1) % MODEL_FREE_PROBE_EVERY != 0
 
     def _rests_losers(self) -> bool:
         return self.probe_interval > 0 if self.rest_losers is None else self.rest_losers
@@ -389,11 +451,13 @@ class SpeculatorChain:
         rested). False: draft as usual (`draft`)."""
         names = {name for _, types in seqs for name in types}
         bucket = self._ledger_bucket([seq_id for seq_id, _ in seqs])
-        if not self._rests_losers() or any(name not in self._resting
-                            or self.ledger.account(name, bucket).rest_left == 0 for name in names):
+        if not self._rests_losers() or not all(self._rests_through(name, bucket)
+                                               for name in names):
             return False
         self._round_bucket = bucket
-        for name in names:
+        if any(name not in self._resting for name in names):
+            self.ledger.resting(MODEL_FREE, bucket, MODEL_FREE_LOSS_SHARE)
+        for name in names & self._resting.keys():
             self.ledger.resting(name, bucket)
             resting, spec = self._resting[name], self.speculators[name]
             for seq_id, types in seqs:

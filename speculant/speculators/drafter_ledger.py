@@ -71,6 +71,7 @@ class LedgerAccount:
     next_rest: int = FIRST_REST  # the rest a losing window brings next
     num_rests: int = 0  # rests so far
     num_rounds_rested: int = 0
+    num_wakes: int = 0  # rests ended early (`wake`)
 
 
 class DrafterLedger:
@@ -95,17 +96,17 @@ class DrafterLedger:
                 acct.num_rests = 1
         return acct
 
-    def resting(self, name: str, bucket: int) -> bool:
+    def resting(self, name: str, bucket: int, loss_share: float = LOSS_SHARE) -> bool:
         """A draft round of `bucket` starts: whether `name` rests through it (counted down) or
-        is asked (the round joins its window, which may end here in a verdict: a losing one
-        starts a rest at this round)."""
+        is asked (the round joins its window, which may end here in a verdict: one that gained
+        less than `loss_share` of its cost starts a rest at this round)."""
         acct = self.account(name, bucket)
         if acct.rest_left > 0:
             acct.rest_left -= 1
             acct.num_rounds_rested += 1
             return True
         acct.rounds += 1
-        lost = acct.gain < LOSS_SHARE * acct.cost
+        lost = acct.gain < loss_share * acct.cost
         early = lost and acct.rounds >= WINDOW_ROUNDS // 2 and acct.cost >= 2 * MIN_COST_TOKENS
         if not early and (acct.rounds < WINDOW_ROUNDS or acct.cost < MIN_COST_TOKENS):
             return False
@@ -128,6 +129,16 @@ class DrafterLedger:
         acct.rounds = acct.rest_left = 0
         acct.next_rest = FIRST_REST
 
+    def wake(self, name: str, bucket: int) -> None:
+        """End `name`'s rest in `bucket` now (it showed, resting, a draft worth a new window);
+        the next window starts empty, and a losing one brings the rest it would have."""
+        acct = self.account(name, bucket)
+        if acct.rest_left > 0:
+            acct.rest_left = 0
+            acct.num_wakes += 1
+        acct.gain = acct.cost = 0.0
+        acct.rounds = 0
+
     def charge(self, name: str, bucket: int, tokens: float) -> None:
         """`name` spent `tokens`' worth of plain decoding time in `bucket`."""
         if tokens > 0:
@@ -144,5 +155,5 @@ class DrafterLedger:
         for (name, bucket), a in sorted(self._accounts.items()):
             out.setdefault(name, {})[bucket] = {
                 "num_rests": a.num_rests, "num_rounds_rested": a.num_rounds_rested,
-                "resting": a.rest_left > 0}
+                "num_wakes": a.num_wakes, "resting": a.rest_left > 0}
         return out

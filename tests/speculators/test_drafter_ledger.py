@@ -2,7 +2,8 @@
 concurrency bucket; one that pays never rests; the chain stops asking a resting drafter and
 tells its sequences to rest, then wakes them for the trial."""
 from speculant.speculators.base import CommittedTokens, Draft, DraftParams, DraftRequest, Speculator
-from speculant.speculators.chain import SpeculatorChain
+from speculant.speculators.chain import (MODEL_FREE, MODEL_FREE_MIN_BUCKET,
+                                         MODEL_FREE_PROBE_EVERY, SpeculatorChain)
 from speculant.speculators.drafter_ledger import (FIRST_REST, LOSS_SHARE, MAX_REST,
                                                   MIN_COST_TOKENS, REST_GROWTH, WINDOW_ROUNDS,
                                                   DrafterLedger)
@@ -127,7 +128,9 @@ def run_rounds(chain, hist, num_rounds, clock):
         reqs = [DraftRequest(s, list(h), DraftParams(n_max=1)) for s, h in hist.items()]
         winners = chain.draft(reqs, cost_per_token=0.5, seconds_per_token=0.001)
         for s, d in winners.items():
-            accepted = int(d.token_ids[0] == hist[s][-1] + 1)
+            accepted = 0
+            while accepted < len(d) and d.token_ids[accepted] == hist[s][-1] + 1 + accepted:
+                accepted += 1
             chain.accept(s, accepted)
             hist[s].extend(range(hist[s][-1] + 1, hist[s][-1] + 2 + accepted))
         for s, h in hist.items():
@@ -142,8 +145,9 @@ def run_chain(drafter, clock, num_rounds, num_seqs=8, rest_losers=True):
     chain = SpeculatorChain([drafter], probe_interval=0, clock=clock, rest_losers=rest_losers)
     hist = {s: [1, 2, 3] for s in range(num_seqs)}
     for s in hist:
-        chain.begin(s, hist[s], ("model",))
+        chain.begin(s, hist[s], (drafter.name,))
     run_rounds(chain, hist, num_rounds, clock)
+    chain.hist = hist  # for more rounds (`run_rounds`)
     return chain
 
 
@@ -220,3 +224,107 @@ def test_a_draining_batch_starts_its_smaller_buckets_rested_but_not_bucket_one()
     assert not ledger.resting("m", 16)  # a wider bucket does not inherit
     run_window(ledger, 0.0, 1.0, bucket=2)
     assert not ledger.resting("m", 1)  # one request alone always starts fresh
+
+
+class CopyDrafter(Speculator):
+    """A model-free drafter proposing `length` tokens, the sequence's next ones (`right`) or
+    wrong ones; each call costs `seconds` of the chain's clock."""
+
+    name = "copy"
+    is_model_based = False
+
+    def __init__(self, clock, seconds, right, length=1):
+        self.clock, self.seconds, self.right, self.length = clock, seconds, right, length
+        self.asks = 0
+
+    def begin(self, seq_id, prompt_ids):
+        pass
+
+    def draft(self, requests):
+        self.clock.now += self.seconds
+        self.asks += 1
+        return {r.seq_id: Draft([r.token_ids[-1] + 1 + i if self.right else -5 - i
+                                 for i in range(self.length)]) for r in requests}
+
+    def accept(self, seq_id, num_accepted, is_other):
+        pass
+
+    def end(self, seq_id):
+        pass
+
+
+def test_losing_model_free_drafts_rest_at_high_concurrency_and_are_probed_every_few_rounds():
+    """Model-free drafts that are never right, verified at half a token a row: after a window
+    the chain stops asking for them but every MODEL_FREE_PROBE_EVERY rounds; without the
+    ledger, or at concurrency 1, they are asked every round."""
+    clock = Clock()
+    copy = CopyDrafter(clock, seconds=0.0002, right=False)
+    chain = run_chain(copy, clock, num_rounds=WINDOW_ROUNDS + 2)
+    acct = chain.ledger.account(MODEL_FREE, 8)
+    assert chain.ledger.summary()[MODEL_FREE][8]["num_rests"] == 1 and acct.rest_left > 16
+    asks = copy.asks
+    run_rounds(chain, chain.hist, 2 * MODEL_FREE_PROBE_EVERY, clock)
+    assert copy.asks == asks + 2  # two probe rounds in 16
+    for num_seqs, rest_losers in ((8, False), (1, True)):
+        clock2 = Clock()
+        always = CopyDrafter(clock2, seconds=0.0002, right=False)
+        chain2 = run_chain(always, clock2, 3 * WINDOW_ROUNDS, num_seqs, rest_losers)
+        assert always.asks == 3 * WINDOW_ROUNDS
+        assert all(r["num_rests"] == 0 for r in chain2.ledger.summary().get(MODEL_FREE, {}).values())
+    assert MODEL_FREE_MIN_BUCKET > 1
+
+
+def test_model_free_drafts_that_pay_never_rest():
+    clock = Clock()
+    copy = CopyDrafter(clock, seconds=0.0002, right=True, length=4)
+    chain = run_chain(copy, clock, num_rounds=4 * WINDOW_ROUNDS)
+    assert chain.ledger.summary()[MODEL_FREE][8]["num_rests"] == 0
+    assert copy.asks == 4 * WINDOW_ROUNDS and chain.stats["copy"].num_accepted_tokens > 0
+
+
+def test_a_copy_starting_during_a_rest_wakes_the_model_free_drafts(monkeypatch):
+    """Copies that paid, then drafts that are never right until the drafts rest; then the
+    drafts turn right again (a copy starts): a probe round whose verified draft is worth
+    WAKE_GAIN tokens ends the rest, and from then on they are asked every round. (WAKE_GAIN
+    lowered to what this toy's one-token drafts can be worth: its failures taught the chain
+    to verify one token at a time.)"""
+    from speculant.speculators import chain as chain_module
+
+    monkeypatch.setattr(chain_module, "WAKE_GAIN", 0.4)
+    clock = Clock()
+    copy = CopyDrafter(clock, seconds=0.0002, right=True, length=6)
+    chain = run_chain(copy, clock, num_rounds=2 * WINDOW_ROUNDS)
+    acct = chain.ledger.account(MODEL_FREE, 8)
+    copy.right = False
+    for _ in range(4 * WINDOW_ROUNDS):
+        run_rounds(chain, chain.hist, 1, clock)
+        if acct.rest_left > 0:
+            break
+    assert acct.rest_left > 2 * MODEL_FREE_PROBE_EVERY
+    copy.right = True
+    for _ in range(FIRST_REST):
+        run_rounds(chain, chain.hist, 1, clock)
+        if acct.num_wakes:
+            break
+    assert acct.num_wakes == 1 and acct.rest_left == 0
+    asks = copy.asks
+    run_rounds(chain, chain.hist, MODEL_FREE_PROBE_EVERY, clock)
+    assert copy.asks == asks + MODEL_FREE_PROBE_EVERY
+
+
+def test_a_round_of_resting_model_free_drafts_builds_no_request_but_probe_rounds_do():
+    clock = Clock()
+    copy = CopyDrafter(clock, seconds=0.0002, right=False)
+    chain = run_chain(copy, clock, num_rounds=WINDOW_ROUNDS + 2)
+    acct = chain.ledger.account(MODEL_FREE, 8)
+    seqs = [(s, ("copy",)) for s in range(8)]
+    results = []
+    for _ in range(MODEL_FREE_PROBE_EVERY):
+        left = acct.rest_left
+        rested = chain.resting_round(seqs)
+        results.append(rested)
+        if rested:
+            assert acct.rest_left == left - 1
+        else:  # a probe round: the engine drafts (and the draft call counts the round)
+            run_rounds(chain, chain.hist, 1, clock)
+    assert results.count(False) == 1
