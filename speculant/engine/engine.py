@@ -613,7 +613,7 @@ class Engine:
         s.time_draft_s += t1 - t0
         s.time_forward_s += t2 - t1
         s.time_verify_s += t3 - t2
-        self.chain.observe_step(t3 - t0)
+        self.chain.observe_step(t3 - t0, len(step.decode) if not step.prefill else 0)
         for seq, n in step.prefill:
             s.num_prompt_tokens += n
             seq.prefill_time_s += t3 - t0

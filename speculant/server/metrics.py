@@ -129,13 +129,15 @@ def _tuner_metrics(tuner: dict):
 
 
 def _rest_metrics(rests: dict):
-    """Model drafters the chain rested where they lost (speculators/drafter_ledger.py)."""
+    """Model drafters (and, as speculator "model-free", the model-free speculators together)
+    the chain rested where they lost (speculators/drafter_ledger.py)."""
     labels = ["speculator", "bucket"]
-    total = CounterMetricFamily(P + "spec_drafter_rests", "Times the chain rested a model "
-                                "drafter whose measured gain fell under its cost, by "
-                                "concurrency bucket", labels=labels)
-    now = GaugeMetricFamily(P + "spec_drafter_resting", "1 while the chain rests a model "
-                            "drafter, by concurrency bucket", labels=labels)
+    total = CounterMetricFamily(P + "spec_drafter_rests", "Times the chain rested a drafter "
+                                "(or the model-free speculators) whose measured gain fell under "
+                                "its cost, by concurrency bucket", labels=labels)
+    now = GaugeMetricFamily(P + "spec_drafter_resting", "1 while the chain rests a drafter "
+                            "(or the model-free speculators), by concurrency bucket",
+                            labels=labels)
     for name, buckets in rests.items():
         for bucket, state in buckets.items():
             total.add_metric([name, str(bucket)], state["num_rests"])

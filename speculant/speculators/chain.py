@@ -111,13 +111,20 @@ MODEL_FREE_LOSS_SHARE = 1.0
 # this many rounds
 MODEL_FREE_PROBE_EVERY = 8
 WAKE_GAIN = 1.5
+# Where the chain has seen steps of the same batch size in which nothing was drafted (their
+# time an EMA of this weight), a drafting round of the model-free speculators is booked at
+# its step's measured time beyond such a step's, not at the step-cost model's row price: on
+# math_reasoning at c=8 that plane priced a row at 0.40 of a token where one extra row on 8
+# sequences costs ~0.6 in isolated forwards (its one slope is the average over 1-20 extra
+# rows; the chain verifies 1-2 a step there), and windows that lost in time booked a gain.
+PLAIN_STEP_WEIGHT = 0.1
 # ... in concurrency buckets from this one on. Alone or in pairs a row costs ~0.2 of a token
 # and a failed draft little, while a copy missed costs a token a row: resting at c=1 (11-12
 # rests, ~650 of ~3,400 rounds, mt_bench and summarization, 16 prompts each, same Xeon) read
 # 1.457x plain against 1.469x without.
 MODEL_FREE_MIN_BUCKET = 4
 # what the model-free speculators do in a round (`_model_free_mode`)
-MF_DRAFT, MF_PROBE, MF_REST = 0, 1, 2
+MF_DRAFT, MF_PROBE, MF_REST, MF_UNBOOKED = 0, 1, 2, 3
 
 
 def _read_window(read_to: int | None, history_len: int, num_prompt_tokens: int,
@@ -231,6 +238,14 @@ class SpeculatorChain:
         self._resting: dict[str, set[int]] = {name: set() for name in self._calibration}
         self._round_bucket = 1  # the last draft round's concurrency bucket
         self._solo_seq: int | None = None  # the last sequence that decoded alone
+        # per number of decoding sequences: the time of a step in which nothing was drafted
+        # (EMA), and the last draft round's booking for the model-free account, made once its
+        # step's time is known (`observe_step`): (bucket, sequences, cost in tokens at the row
+        # price, whether only model-free drafts ran) or None; `_round_drafted`: the last
+        # round asked a speculator
+        self._plain_step_s: dict[int, float] = {}
+        self._mf_pending: tuple[int, int, float, bool] | None = None
+        self._round_drafted = False
         self._seconds_per_token = 0.0  # ... and what a plain token cost then
 
     @property
@@ -284,11 +299,29 @@ class SpeculatorChain:
                     self.ledger.charge(name, self._round_bucket,
                                        (self._clock() - t0) / self._seconds_per_token)
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, num_decoding: int = 0) -> None:
         """The engine's step took `seconds` (drafting, forward, verification): from the first
         call on, the time between draft rounds that budgets shadow drafts is the sum of these
-        (each step counted up to MAX_ROUND_GAP_S), not the wall clock."""
+        (each step counted up to MAX_ROUND_GAP_S), not the wall clock. `num_decoding`: its
+        decoding sequences when it was a pure decode step (no prompt chunk), else 0; such
+        steps price the model-free account's drafting rounds (PLAIN_STEP_WEIGHT)."""
         self._step_seconds = (self._step_seconds or 0.0) + min(seconds, MAX_ROUND_GAP_S)
+        pending, self._mf_pending = self._mf_pending, None
+        drafted, self._round_drafted = self._round_drafted, False
+        if num_decoding <= 0:
+            if pending is not None:
+                self.ledger.charge(MODEL_FREE, pending[0], pending[2])
+            return
+        plain = self._plain_step_s.get(num_decoding)
+        if not drafted:
+            self._plain_step_s[num_decoding] = seconds if plain is None else \
+                plain + PLAIN_STEP_WEIGHT * (seconds - plain)
+        if pending is None:
+            return
+        bucket, num_seqs, priced, alone = pending
+        if alone and plain is not None and num_seqs == num_decoding and self._seconds_per_token > 0:
+            priced = max(0.0, seconds - plain) / self._seconds_per_token
+        self.ledger.charge(MODEL_FREE, bucket, priced)
 
     def end(self, seq_id: int) -> None:
         state = self._seqs.pop(seq_id, None)
@@ -347,6 +380,7 @@ class SpeculatorChain:
             if not mine:
                 continue
             t0 = self._clock()
+            self._round_drafted = True
             spec.sunk_draft_seconds = spec.catch_up_seconds = 0.0
             spec.catch_up_rows, spec.first_seconds, spec.further_rows = 0, None, 0
             with self._timed(name, "draft"):
@@ -376,7 +410,7 @@ class SpeculatorChain:
                         self._calibration[name].record_first(d.token_probs[0])
         by_id = {r.seq_id: r for r in requests}
         winners: dict[int, Draft] = {}
-        wake = False
+        wake, mf_rows = False, 0
         for seq_id, drafts in proposals.items():
             state = self._seqs[seq_id]
             state.proposers = tuple(d.source for d in drafts)
@@ -397,25 +431,28 @@ class SpeculatorChain:
                     rival = best_of.get(seq_id, (0, None, 0.0))[2]
                     state.ledger_entry = (best.source, bucket, max(0.0, rival))
                 elif mf_mode == MF_DRAFT:
-                    self.ledger.charge(MODEL_FREE, bucket, len(best) * cost_per_token)
+                    mf_rows += len(best)
                     state.ledger_entry = (MODEL_FREE, bucket, 0.0)
                 elif mf_mode == MF_PROBE and gain >= WAKE_GAIN:
                     wake = True
         if wake:
             self.ledger.wake(MODEL_FREE, bucket)
-        elif mf_mode == MF_DRAFT and seconds_per_token > 0:  # their calls and the judging
-            self.ledger.charge(MODEL_FREE, bucket,
-                               (self._clock() - now - model_seconds) / seconds_per_token)
+        elif mf_mode == MF_DRAFT and seconds_per_token > 0:  # booked once the step is timed
+            self._mf_pending = (bucket, len(requests), mf_rows * cost_per_token
+                                + (self._clock() - now - model_seconds) / seconds_per_token,
+                                model_seconds == 0.0)
         return winners
 
     def _model_free_mode(self, requests: list[DraftRequest], bucket: int) -> int:
         """Whether the model-free speculators draft this round (MF_DRAFT, the round joins
         their ledger window), rest through it (MF_REST) or, resting, draft to see whether a
-        copy starts (MF_PROBE: every MODEL_FREE_PROBE_EVERY rounds of a rest)."""
+        copy starts (MF_PROBE: every MODEL_FREE_PROBE_EVERY rounds of a rest); MF_UNBOOKED:
+        they draft outside the ledger (resting off, a bucket below MODEL_FREE_MIN_BUCKET, or
+        none of them asked)."""
         if not self._rests_losers() or bucket < MODEL_FREE_MIN_BUCKET or not any(
                 not self.speculators[name].is_model_based
                 for r in requests for name in self._seqs[r.seq_id].types):
-            return MF_DRAFT
+            return MF_UNBOOKED
         if not self.ledger.resting(MODEL_FREE, bucket, MODEL_FREE_LOSS_SHARE):
             return MF_DRAFT
         left = self.ledger.account(MODEL_FREE, bucket).rest_left
@@ -494,6 +531,7 @@ class SpeculatorChain:
         other runs' pace committed 1.7 tokens per sequence per step.) Model drafters are not
         asked: they cost time per position; their silence goes on counting (`_silence`)."""
         self._start_round(requests)
+        self._round_drafted = True
         for r in requests:
             state = self._seqs[r.seq_id]
             state.proposers, state.losers, state.winner = (), (), None

@@ -27,6 +27,12 @@ one before (a new request at concurrency 1) starts its bucket's account over: re
 request's text and carrying the rest (4x longer each time) into the next ones took `eagle3` on
 translation at c=1 from 1.23x to 1.10x plain in one bench run.
 
+The chain keeps one more account, `model-free` (chain.py, MODEL_FREE): the model-free
+speculators together, their gain the tokens their verified drafts got accepted, their cost
+their draft rounds (calls and judging) and verified rows. It is judged at "gain < cost", in
+buckets of 4 and more sequences only, and while it rests the chain still drafts with them every
+few rounds, a verified draft worth a copy's gain ending the rest (`wake`).
+
 Why (measured 2026-12-06, Intel Xeon with AMX, 2 threads, `eagle3` alone on 24 mt_bench prompts
 at c=8, engines interleaved in one process against plain): 0.908x plain. A verified row costs
 ~0.5 of a plain token there and a head call ~1.5 ms, so even its 77%-accepted first tokens

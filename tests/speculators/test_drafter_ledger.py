@@ -120,13 +120,18 @@ class Clock:
         return self.now
 
 
-def run_rounds(chain, hist, num_rounds, clock):
+def run_rounds(chain, hist, num_rounds, clock, price=0.5, row_s=0.0005):
     """Sequences `hist` (seq_id -> history) counting up one token a round (or as many as their
-    drafts got accepted); a round's target step costs 1 ms a sequence."""
+    drafts got accepted); a round's target step costs 1 ms a sequence and `row_s` a verified
+    draft row, the chain pricing a row at `price` tokens; the step's time (drafting included)
+    is reported to the chain."""
     for _ in range(num_rounds):
+        start = clock.now
         clock.now += 0.001 * len(hist)
         reqs = [DraftRequest(s, list(h), DraftParams(n_max=1)) for s, h in hist.items()]
-        winners = chain.draft(reqs, cost_per_token=0.5, seconds_per_token=0.001)
+        winners = chain.draft(reqs, cost_per_token=price, seconds_per_token=0.001)
+        clock.now += row_s * sum(len(d) for d in winners.values())
+        chain.observe_step(clock.now - start, len(hist))
         for s, d in winners.items():
             accepted = 0
             while accepted < len(d) and d.token_ids[accepted] == hist[s][-1] + 1 + accepted:
@@ -270,7 +275,7 @@ def test_losing_model_free_drafts_rest_at_high_concurrency_and_are_probed_every_
         always = CopyDrafter(clock2, seconds=0.0002, right=False)
         chain2 = run_chain(always, clock2, 3 * WINDOW_ROUNDS, num_seqs, rest_losers)
         assert always.asks == 3 * WINDOW_ROUNDS
-        assert all(r["num_rests"] == 0 for r in chain2.ledger.summary().get(MODEL_FREE, {}).values())
+        assert MODEL_FREE not in chain2.ledger.summary()  # nothing booked
     assert MODEL_FREE_MIN_BUCKET > 1
 
 
@@ -328,3 +333,24 @@ def test_a_round_of_resting_model_free_drafts_builds_no_request_but_probe_rounds
         else:  # a probe round: the engine drafts (and the draft call counts the round)
             run_rounds(chain, chain.hist, 1, clock)
     assert results.count(False) == 1
+
+
+def test_model_free_rounds_are_booked_at_their_measured_step_time_once_plain_steps_are_known():
+    """Drafts always right, verified rows priced at 0.5 of a token but costing 1.2 in the
+    steps' time: booked at the price they pay and never rest; once the chain has timed steps
+    of the same batch size in which nothing was drafted, their rounds are booked at the
+    measured time beyond those, and they rest."""
+    for known_plain in (False, True):
+        clock = Clock()
+        copy = CopyDrafter(clock, seconds=0.0002, right=True)
+        chain = SpeculatorChain([copy], probe_interval=0, clock=clock, rest_losers=True)
+        hist = {s: [1, 2, 3] for s in range(8)}
+        for s in hist:
+            chain.begin(s, hist[s], ("copy",))
+        if known_plain:
+            for _ in range(3):
+                chain.observe_step(0.008, 8)  # steps in which nothing was drafted
+        run_rounds(chain, hist, 3 * WINDOW_ROUNDS, clock, price=0.5, row_s=0.0012)
+        assert chain.stats["copy"].num_accepted_tokens > 0
+        rests = chain.ledger.summary()[MODEL_FREE][8]["num_rests"]
+        assert (rests > 0) == known_plain
