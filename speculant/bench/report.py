@@ -66,10 +66,9 @@ Result: one method on one category at one concurrency
                         and its speedup over plain decoding measured at the same moments
   rests                 per model drafter (eagle3, mtp, draft) and concurrency bucket: how often
                         the chain rested it where its measured gain fell under its cost
-                        (`num_rests`, `num_rounds_rested`, `num_wakes`, `resting` at the end of
-                        the run; speculators/drafter_ledger.py); `model-free`: the model-free
-                        speculators together (buckets 4 and up, rests ended early by a copy:
-                        `num_wakes`); null for plain
+                        (`num_rests`, `num_rounds_rested`, `resting` at the end of the run;
+                        speculators/drafter_ledger.py); `model-free`: the model-free speculators
+                        together (buckets 4 and up); null for plain
 
 Category
   num_prompts

@@ -106,11 +106,17 @@ MODEL_FREE = "model-free"
 # ... rests when a window gained less than its cost (a model drafter's windows are judged more
 # leniently, LOSS_SHARE: its gain is net of the model-free rival's)
 MODEL_FREE_LOSS_SHARE = 1.0
-# ... and, resting, still drafts every this many rounds: a verified draft then worth at least
-# WAKE_GAIN tokens (a confident copy starting) ends the rest, so a copy is missed by at most
-# this many rounds
+# ... and, resting, still drafts for every sequence every this many rounds, and every round for
+# the sequences whose last draft of the rest was accepted in full (a copy under way), so a copy
+# is missed by at most this many rounds. (Waking the whole bucket when one sequence's probe
+# draft was worth a copy instead started windows of 32 rounds drafting at a loss for all 8:
+# on math_reasoning at c=8 6 rests in ~800 rounds, 169 rounds drafting.)
 MODEL_FREE_PROBE_EVERY = 8
-WAKE_GAIN = 1.5
+# ... in concurrency buckets from this one on. Alone or in pairs a row costs ~0.2 of a token
+# and a failed draft little, while a copy missed costs a token a row: resting at c=1 (11-12
+# rests, ~650 of ~3,400 rounds, mt_bench and summarization, 16 prompts each, same Xeon) read
+# 1.457x plain against 1.469x without.
+MODEL_FREE_MIN_BUCKET = 4
 # Where the chain has seen steps of the same batch size in which nothing was drafted (their
 # time an EMA of this weight), a drafting round of the model-free speculators is booked at
 # its step's measured time beyond such a step's, not at the step-cost model's row price: on
@@ -118,11 +124,6 @@ WAKE_GAIN = 1.5
 # sequences costs ~0.6 in isolated forwards (its one slope is the average over 1-20 extra
 # rows; the chain verifies 1-2 a step there), and windows that lost in time booked a gain.
 PLAIN_STEP_WEIGHT = 0.1
-# ... in concurrency buckets from this one on. Alone or in pairs a row costs ~0.2 of a token
-# and a failed draft little, while a copy missed costs a token a row: resting at c=1 (11-12
-# rests, ~650 of ~3,400 rounds, mt_bench and summarization, 16 prompts each, same Xeon) read
-# 1.457x plain against 1.469x without.
-MODEL_FREE_MIN_BUCKET = 4
 # what the model-free speculators do in a round (`_model_free_mode`)
 MF_DRAFT, MF_PROBE, MF_REST, MF_UNBOOKED = 0, 1, 2, 3
 
@@ -246,6 +247,11 @@ class SpeculatorChain:
         self._plain_step_s: dict[int, float] = {}
         self._mf_pending: tuple[int, int, float, bool] | None = None
         self._round_drafted = False
+        # sequences the resting model-free speculators still draft for every round (their
+        # last draft of the rest was accepted in full), and those whose current winner is a
+        # draft of a rest (judged in `accept`)
+        self._mf_following: set[int] = set()
+        self._mf_rest_winners: set[int] = set()
         self._seconds_per_token = 0.0  # ... and what a plain token cost then
 
     @property
@@ -329,6 +335,8 @@ class SpeculatorChain:
             return
         for resting in self._resting.values():
             resting.discard(seq_id)
+        self._mf_following.discard(seq_id)
+        self._mf_rest_winners.discard(seq_id)
         for name in state.types:
             self.speculators[name].end(seq_id)
 
@@ -367,7 +375,7 @@ class SpeculatorChain:
             if spec.is_model_based and mine and self._rests(name, spec, mine, bucket):
                 continue
             if not spec.is_model_based and mf_mode == MF_REST:
-                continue
+                mine = [r for r in mine if r.seq_id in self._mf_following]
             if spec.is_model_based:
                 for r in mine:
                     if best_of.get(r.seq_id, (-1,))[0] != len(proposals[r.seq_id]):
@@ -410,7 +418,8 @@ class SpeculatorChain:
                         self._calibration[name].record_first(d.token_probs[0])
         by_id = {r.seq_id: r for r in requests}
         winners: dict[int, Draft] = {}
-        wake, mf_rows = False, 0
+        mf_rows = 0
+        resting_mf = mf_mode in (MF_PROBE, MF_REST)
         for seq_id, drafts in proposals.items():
             state = self._seqs[seq_id]
             state.proposers = tuple(d.source for d in drafts)
@@ -433,11 +442,11 @@ class SpeculatorChain:
                 elif mf_mode == MF_DRAFT:
                     mf_rows += len(best)
                     state.ledger_entry = (MODEL_FREE, bucket, 0.0)
-                elif mf_mode == MF_PROBE and gain >= WAKE_GAIN:
-                    wake = True
-        if wake:
-            self.ledger.wake(MODEL_FREE, bucket)
-        elif mf_mode == MF_DRAFT and seconds_per_token > 0:  # booked once the step is timed
+                elif resting_mf:
+                    self._mf_rest_winners.add(seq_id)
+            if resting_mf and (best is None or best.source in self._resting):
+                self._mf_following.discard(seq_id)  # no copy of theirs under way
+        if mf_mode == MF_DRAFT and seconds_per_token > 0:  # booked once the step is timed
             self._mf_pending = (bucket, len(requests), mf_rows * cost_per_token
                                 + (self._clock() - now - model_seconds) / seconds_per_token,
                                 model_seconds == 0.0)
@@ -491,9 +500,11 @@ class SpeculatorChain:
         if not self._rests_losers() or not all(self._rests_through(name, bucket)
                                                for name in names):
             return False
-        self._round_bucket = bucket
         if any(name not in self._resting for name in names):
+            if any(seq_id in self._mf_following for seq_id, _ in seqs):
+                return False  # a copy under way: draft for it (`_model_free_mode`)
             self.ledger.resting(MODEL_FREE, bucket, MODEL_FREE_LOSS_SHARE)
+        self._round_bucket = bucket
         for name in names & self._resting.keys():
             self.ledger.resting(name, bucket)
             resting, spec = self._resting[name], self.speculators[name]
@@ -768,6 +779,12 @@ class SpeculatorChain:
             name, bucket, rival = state.ledger_entry
             self.ledger.credit(name, bucket, num_accepted - rival)
             state.ledger_entry = None
+        if seq_id in self._mf_rest_winners:  # a draft of a rest: a copy under way, or not
+            self._mf_rest_winners.discard(seq_id)
+            if num_accepted == len(winner):
+                self._mf_following.add(seq_id)
+            else:
+                self._mf_following.discard(seq_id)
         state.probe_every.pop(winner.source, None)  # verified again: probe at the base rate
         ctx = state.context[winner.source]
         self._observe(state, winner.source, len(winner), num_accepted)

@@ -31,7 +31,7 @@ The chain keeps one more account, `model-free` (chain.py, MODEL_FREE): the model
 speculators together, their gain the tokens their verified drafts got accepted, their cost
 their draft rounds (calls and judging) and verified rows. It is judged at "gain < cost", in
 buckets of 4 and more sequences only, and while it rests the chain still drafts with them every
-few rounds, a verified draft worth a copy's gain ending the rest (`wake`).
+few rounds, and every round for a sequence whose last such draft was accepted in full.
 
 Why (measured 2026-12-06, Intel Xeon with AMX, 2 threads, `eagle3` alone on 24 mt_bench prompts
 at c=8, engines interleaved in one process against plain): 0.908x plain. A verified row costs
@@ -77,7 +77,6 @@ class LedgerAccount:
     next_rest: int = FIRST_REST  # the rest a losing window brings next
     num_rests: int = 0  # rests so far
     num_rounds_rested: int = 0
-    num_wakes: int = 0  # rests ended early (`wake`)
 
 
 class DrafterLedger:
@@ -135,16 +134,6 @@ class DrafterLedger:
         acct.rounds = acct.rest_left = 0
         acct.next_rest = FIRST_REST
 
-    def wake(self, name: str, bucket: int) -> None:
-        """End `name`'s rest in `bucket` now (it showed, resting, a draft worth a new window);
-        the next window starts empty, and a losing one brings the rest it would have."""
-        acct = self.account(name, bucket)
-        if acct.rest_left > 0:
-            acct.rest_left = 0
-            acct.num_wakes += 1
-        acct.gain = acct.cost = 0.0
-        acct.rounds = 0
-
     def charge(self, name: str, bucket: int, tokens: float) -> None:
         """`name` spent `tokens`' worth of plain decoding time in `bucket`."""
         if tokens > 0:
@@ -161,5 +150,5 @@ class DrafterLedger:
         for (name, bucket), a in sorted(self._accounts.items()):
             out.setdefault(name, {})[bucket] = {
                 "num_rests": a.num_rests, "num_rounds_rested": a.num_rounds_rested,
-                "num_wakes": a.num_wakes, "resting": a.rest_left > 0}
+                "resting": a.rest_left > 0}
         return out

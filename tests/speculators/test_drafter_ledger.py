@@ -287,34 +287,30 @@ def test_model_free_drafts_that_pay_never_rest():
     assert copy.asks == 4 * WINDOW_ROUNDS and chain.stats["copy"].num_accepted_tokens > 0
 
 
-def test_a_copy_starting_during_a_rest_wakes_the_model_free_drafts(monkeypatch):
-    """Copies that paid, then drafts that are never right until the drafts rest; then the
-    drafts turn right again (a copy starts): a probe round whose verified draft is worth
-    WAKE_GAIN tokens ends the rest, and from then on they are asked every round. (WAKE_GAIN
-    lowered to what this toy's one-token drafts can be worth: its failures taught the chain
-    to verify one token at a time.)"""
-    from speculant.speculators import chain as chain_module
-
-    monkeypatch.setattr(chain_module, "WAKE_GAIN", 0.4)
+def test_a_copy_starting_during_a_rest_is_followed_every_round_and_dropped_when_it_ends():
+    """Resting after a losing window, the drafts turn right (a copy starts): once a probe
+    round's draft is accepted in full its sequence is drafted for every round, the rest going
+    on for the others; when the drafts turn wrong again it is dropped back to probe rounds."""
     clock = Clock()
-    copy = CopyDrafter(clock, seconds=0.0002, right=True, length=6)
-    chain = run_chain(copy, clock, num_rounds=2 * WINDOW_ROUNDS)
+    copy = CopyDrafter(clock, seconds=0.0002, right=False)
+    chain = run_chain(copy, clock, num_rounds=WINDOW_ROUNDS + 2)
     acct = chain.ledger.account(MODEL_FREE, 8)
-    copy.right = False
-    for _ in range(4 * WINDOW_ROUNDS):
-        run_rounds(chain, chain.hist, 1, clock)
-        if acct.rest_left > 0:
-            break
-    assert acct.rest_left > 2 * MODEL_FREE_PROBE_EVERY
+    assert acct.rest_left > 3 * MODEL_FREE_PROBE_EVERY
     copy.right = True
-    for _ in range(FIRST_REST):
-        run_rounds(chain, chain.hist, 1, clock)
-        if acct.num_wakes:
-            break
-    assert acct.num_wakes == 1 and acct.rest_left == 0
-    asks = copy.asks
+    run_rounds(chain, chain.hist, MODEL_FREE_PROBE_EVERY, clock)  # a probe round in there
+    assert chain._mf_following == set(range(8))
+    asks, left = copy.asks, acct.rest_left
     run_rounds(chain, chain.hist, MODEL_FREE_PROBE_EVERY, clock)
-    assert copy.asks == asks + MODEL_FREE_PROBE_EVERY
+    assert copy.asks == asks + MODEL_FREE_PROBE_EVERY  # every round, the rest running on
+    assert acct.rest_left == left - MODEL_FREE_PROBE_EVERY
+    seqs = [(s, ("copy",)) for s in range(8)]
+    assert not chain.resting_round(seqs)  # a round with a copy under way is not skipped
+    copy.right = False
+    run_rounds(chain, chain.hist, 1, clock)
+    assert not chain._mf_following
+    asks = copy.asks
+    run_rounds(chain, chain.hist, 2 * MODEL_FREE_PROBE_EVERY, clock)
+    assert copy.asks == asks + 2  # probe rounds only
 
 
 def test_a_round_of_resting_model_free_drafts_builds_no_request_but_probe_rounds_do():
