@@ -424,8 +424,8 @@ class SpeculatorChain:
             state = self._seqs[seq_id]
             state.proposers = tuple(d.source for d in drafts)
             known = best_of.get(seq_id)
-            best, gain = known[1:] if known is not None and known[0] == len(drafts) else \
-                self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)
+            best = known[1] if known is not None and known[0] == len(drafts) else \
+                self._best(state, drafts, by_id[seq_id].params.n_min, cost_per_token)[0]
             state.winner = best
             state.losers = tuple(d for d in drafts if best is None or d.source != best.source)
             untrimmed = None if best is None else next(d for d in drafts if d.source == best.source)
