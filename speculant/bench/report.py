@@ -63,7 +63,9 @@ Result: one method on one category at one concurrency
   tuner                 with --spec-tune (null otherwise, and for plain): per concurrency bucket
                         the draft limit the tuner settled on (`n_max`, 0 = plain decoding), its
                         decode steps, how often it switched speculation off, goodput per limit
-                        and its speedup over plain decoding measured at the same moments
+                        and its speedup over plain decoding measured at the same moments, and
+                        `steps_left_to_chain`: decode steps it left to the chain (every
+                        speculator model-free, 4+ sequences: their own ledger account decides)
   rests                 per model drafter (eagle3, mtp, draft) and concurrency bucket: how often
                         the chain rested it where its measured gain fell under its cost
                         (`num_rests`, `num_rounds_rested`, `resting` at the end of the run;

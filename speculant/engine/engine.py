@@ -228,6 +228,10 @@ class Engine:
         self._tuner_pulled = False
         if self.tuner is None or not step.decode:
             return None
+        if self.chain.decides_drafting([s.spec_types for s in step.decode], len(step.decode)):
+            if not step.prefill:
+                self.tuner.leave_to_chain(len(step.decode))
+            return None
         if step.prefill:
             return self.tuner.best(len(step.decode))
         self._tuner_pulled = True
@@ -403,7 +407,7 @@ class Engine:
 
     def _propose(self, decoding: list[Sequence]) -> dict[int, Draft]:
         self.chain.round_catch_up_seconds = 0.0
-        if self.tuner is None and self.chain.resting_round(
+        if self._tuned_n_max is None and self.chain.resting_round(
                 [(s.seq_id, s.spec_types) for s in decoding
                  if s.spec_types and self._n_max(s.params) > 0]):
             return {}  # every speculator asked rests this round (drafter_ledger.py)

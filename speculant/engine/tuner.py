@@ -395,6 +395,9 @@ class SpecTuner:
         self.config = config
         self.grid = tuple(sorted({n for n in config.grid if n <= max_n} | {max_n}))
         self._buckets: dict[int, BucketState] = {}
+        # per concurrency bucket: decode steps whose drafting the chain decided itself
+        # (`leave_to_chain`)
+        self._left_to_chain: dict[int, int] = {}
 
     def choose(self, num_decoding: int, alone: int | None = None) -> int:
         """The draft limit for a step with `num_decoding` decoding sequences. `alone`: the id of
@@ -552,15 +555,37 @@ class SpecTuner:
             return False
         return state.steps % SHADOW_EVERY == 0 or state.steps + 1 >= _next_probe(state)
 
+    def leave_to_chain(self, num_decoding: int) -> None:
+        """A decode step of `num_decoding` sequences whose drafting the chain decides itself,
+        so the tuner neither chooses nor scores it: counted per bucket (`summary`). That is
+        where every speculator asked is model-free and their ledger account books the
+        concurrency (speculators/model_free_rest.py): it rests them where their drafts lose,
+        still drafting every 8th round and following copies per sequence, while the tuner's
+        plain arm kept them following the text and shadow-drafting, and bet on noisy paired
+        steps: on 20 mt_bench prompts at c=8 (Intel Xeon with AMX, 2 threads, in-process
+        interleaved, 2 repeats) `ngram_mod,suffix` read 0.998x plain untuned and 0.964x tuned,
+        the tuner having switched to plain."""
+        bound = concurrency_bucket(num_decoding)
+        self._left_to_chain[bound] = self._left_to_chain.get(bound, 0) + 1
+
     def summary(self) -> dict:
         """Per concurrency bucket: the chosen limit, steps, switches to plain, goodput per arm
-        and each arm's speedup over plain decoding measured at the same moments."""
-        return {str(bound): {
-            "n_max": s.arms[s.incumbent].n_max, "steps": s.steps,
-            "num_switches_off": s.num_switches_off,
-            "goodput_tok_s": {str(a.n_max): round(a.goodput, 1) for a in s.arms if a.pulls},
-            "speedup": _speedups_over_plain(s),
-        } for bound, s in sorted(self._buckets.items())}
+        and each arm's speedup over plain decoding measured at the same moments, and the decode
+        steps left to the chain (`leave_to_chain`; a bucket the tuner never chose for shows the
+        engine's limit)."""
+        out = {}
+        for bound in sorted(self._buckets.keys() | self._left_to_chain.keys()):
+            s = self._buckets.get(bound)
+            out[str(bound)] = {
+                "n_max": self.grid[-1] if s is None else s.arms[s.incumbent].n_max,
+                "steps": 0 if s is None else s.steps,
+                "num_switches_off": 0 if s is None else s.num_switches_off,
+                "goodput_tok_s": {} if s is None else
+                {str(a.n_max): round(a.goodput, 1) for a in s.arms if a.pulls},
+                "speedup": {} if s is None else _speedups_over_plain(s),
+                "steps_left_to_chain": self._left_to_chain.get(bound, 0),
+            }
+        return out
 
     def _bucket(self, num_decoding: int) -> BucketState:
         bound = concurrency_bucket(num_decoding)

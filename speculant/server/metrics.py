@@ -121,11 +121,16 @@ def _tuner_metrics(tuner: dict):
                               "(0 = plain decoding), by concurrency bucket", labels=["bucket"])
     off = CounterMetricFamily(P + "spec_tuner_switches_off", "Times the tuner switched "
                               "speculation off, by concurrency bucket", labels=["bucket"])
+    left = CounterMetricFamily(P + "spec_tuner_steps_left_to_chain", "Decode steps whose "
+                               "drafting the chain decided itself (its model-free speculators' "
+                               "account), by concurrency bucket", labels=["bucket"])
     for bucket, state in tuner.items():
         n_max.add_metric([bucket], state["n_max"])
         off.add_metric([bucket], state["num_switches_off"])
+        left.add_metric([bucket], state.get("steps_left_to_chain", 0))
     yield n_max
     yield off
+    yield left
 
 
 def _rest_metrics(rests: dict):

@@ -51,6 +51,12 @@ from speculant.speculators.calibration import (
 from speculant.speculators.call_cost import DraftCallCost
 from speculant.speculators.counters import AcceptanceCounters, total
 from speculant.speculators.drafter_ledger import DrafterLedger
+from speculant.speculators.model_free_rest import (
+    MF_REST,
+    MODEL_FREE,
+    MODEL_FREE_MIN_BUCKET,
+    ModelFreeRest,
+)
 from speculant.speculators.base import (
     CommittedTokens,
     Draft,
@@ -95,37 +101,6 @@ MAX_ROUND_GAP_S = 1.0
 # runs every category on one engine, and the share saved at c=1, where the head was asked and
 # not probed, went to probes at c=8 (translation, 16 prompts: probes 2.3% of the run, not 1%)
 MAX_PROBE_CREDIT_S = 0.005
-# The model-free speculators' ledger account, all of them together (drafter_ledger.py): what
-# their verified drafts gained against their draft calls and verified rows. Where a verified
-# row costs about what a plain token does (c=8 on a 2-core CPU: ~0.6) their drafts barely pay
-# for their rows and the calls cost the rest: `ngram_mod,suffix` on 40 math_reasoning prompts
-# at c=8 read 0.91-0.95x plain (Intel Xeon with AMX, 2 threads, interleaved in one process),
-# the forwards' time the same as plain's and the draft phase, verification and bookkeeping
-# +0.4 s of 7.6 s.
-MODEL_FREE = "model-free"
-# ... rests when a window gained less than its cost (a model drafter's windows are judged more
-# leniently, LOSS_SHARE: its gain is net of the model-free rival's)
-MODEL_FREE_LOSS_SHARE = 1.0
-# ... and, resting, still drafts for every sequence every this many rounds, and every round for
-# the sequences whose last draft of the rest was accepted in full (a copy under way), so a copy
-# is missed by at most this many rounds. (Waking the whole bucket when one sequence's probe
-# draft was worth a copy instead started windows of 32 rounds drafting at a loss for all 8:
-# on math_reasoning at c=8 6 rests in ~800 rounds, 169 rounds drafting.)
-MODEL_FREE_PROBE_EVERY = 8
-# ... in concurrency buckets from this one on. Alone or in pairs a row costs ~0.2 of a token
-# and a failed draft little, while a copy missed costs a token a row: resting at c=1 (11-12
-# rests, ~650 of ~3,400 rounds, mt_bench and summarization, 16 prompts each, same Xeon) read
-# 1.457x plain against 1.469x without.
-MODEL_FREE_MIN_BUCKET = 4
-# Where the chain has seen steps of the same batch size in which nothing was drafted (their
-# time an EMA of this weight), a drafting round of the model-free speculators is booked at
-# its step's measured time beyond such a step's, not at the step-cost model's row price: on
-# math_reasoning at c=8 that plane priced a row at 0.40 of a token where one extra row on 8
-# sequences costs ~0.6 in isolated forwards (its one slope is the average over 1-20 extra
-# rows; the chain verifies 1-2 a step there), and windows that lost in time booked a gain.
-PLAIN_STEP_WEIGHT = 0.1
-# what the model-free speculators do in a round (`_model_free_mode`)
-MF_DRAFT, MF_PROBE, MF_REST, MF_UNBOOKED = 0, 1, 2, 3
 
 
 def _read_window(read_to: int | None, history_len: int, num_prompt_tokens: int,
@@ -239,19 +214,10 @@ class SpeculatorChain:
         self._resting: dict[str, set[int]] = {name: set() for name in self._calibration}
         self._round_bucket = 1  # the last draft round's concurrency bucket
         self._solo_seq: int | None = None  # the last sequence that decoded alone
-        # per number of decoding sequences: the time of a step in which nothing was drafted
-        # (EMA), and the last draft round's booking for the model-free account, made once its
-        # step's time is known (`observe_step`): (bucket, sequences, cost in tokens at the row
-        # price, whether only model-free drafts ran) or None; `_round_drafted`: the last
-        # round asked a speculator
-        self._plain_step_s: dict[int, float] = {}
-        self._mf_pending: tuple[int, int, float, bool] | None = None
+        # the model-free speculators' account, rests and followed copies (model_free_rest.py);
+        # `_round_drafted`: the last round asked a speculator (a step without: a plain step)
+        self.model_free = ModelFreeRest(self.ledger)
         self._round_drafted = False
-        # sequences the resting model-free speculators still draft for every round (their
-        # last draft of the rest was accepted in full), and those whose current winner is a
-        # draft of a rest (judged in `accept`)
-        self._mf_following: set[int] = set()
-        self._mf_rest_winners: set[int] = set()
         self._seconds_per_token = 0.0  # ... and what a plain token cost then
 
     @property
@@ -310,24 +276,10 @@ class SpeculatorChain:
         call on, the time between draft rounds that budgets shadow drafts is the sum of these
         (each step counted up to MAX_ROUND_GAP_S), not the wall clock. `num_decoding`: its
         decoding sequences when it was a pure decode step (no prompt chunk), else 0; such
-        steps price the model-free account's drafting rounds (PLAIN_STEP_WEIGHT)."""
+        steps price the model-free account's drafting rounds (model_free_rest.py)."""
         self._step_seconds = (self._step_seconds or 0.0) + min(seconds, MAX_ROUND_GAP_S)
-        pending, self._mf_pending = self._mf_pending, None
         drafted, self._round_drafted = self._round_drafted, False
-        if num_decoding <= 0:
-            if pending is not None:
-                self.ledger.charge(MODEL_FREE, pending[0], pending[2])
-            return
-        plain = self._plain_step_s.get(num_decoding)
-        if not drafted:
-            self._plain_step_s[num_decoding] = seconds if plain is None else \
-                plain + PLAIN_STEP_WEIGHT * (seconds - plain)
-        if pending is None:
-            return
-        bucket, num_seqs, priced, alone = pending
-        if alone and plain is not None and num_seqs == num_decoding and self._seconds_per_token > 0:
-            priced = max(0.0, seconds - plain) / self._seconds_per_token
-        self.ledger.charge(MODEL_FREE, bucket, priced)
+        self.model_free.observe_step(seconds, num_decoding, drafted, self._seconds_per_token)
 
     def end(self, seq_id: int) -> None:
         state = self._seqs.pop(seq_id, None)
@@ -335,8 +287,7 @@ class SpeculatorChain:
             return
         for resting in self._resting.values():
             resting.discard(seq_id)
-        self._mf_following.discard(seq_id)
-        self._mf_rest_winners.discard(seq_id)
+        self.model_free.end(seq_id)
         for name in state.types:
             self.speculators[name].end(seq_id)
 
@@ -375,7 +326,7 @@ class SpeculatorChain:
             if spec.is_model_based and mine and self._rests(name, spec, mine, bucket):
                 continue
             if not spec.is_model_based and mf_mode == MF_REST:
-                mine = [r for r in mine if r.seq_id in self._mf_following]
+                mine = [r for r in mine if r.seq_id in self.model_free.following]
             if spec.is_model_based:
                 for r in mine:
                     if best_of.get(r.seq_id, (-1,))[0] != len(proposals[r.seq_id]):
@@ -419,7 +370,6 @@ class SpeculatorChain:
         by_id = {r.seq_id: r for r in requests}
         winners: dict[int, Draft] = {}
         mf_rows = 0
-        resting_mf = mf_mode in (MF_PROBE, MF_REST)
         for seq_id, drafts in proposals.items():
             state = self._seqs[seq_id]
             state.proposers = tuple(d.source for d in drafts)
@@ -432,50 +382,45 @@ class SpeculatorChain:
             state.winner_tokens = [] if untrimmed is None else untrimmed.token_ids
             state.winner_probs = None if untrimmed is None else untrimmed.token_probs
             state.ledger_entry = None
+            model_free = None if best is None else best.source not in self._resting
             if best is not None:
                 state.silent_steps = 0
                 winners[seq_id] = best
-                if best.source in self._resting:  # a model drafter's: its rows and gain booked
-                    self.ledger.charge(best.source, bucket, len(best) * cost_per_token)
-                    rival = best_of.get(seq_id, (0, None, 0.0))[2]
-                    state.ledger_entry = (best.source, bucket, max(0.0, rival))
-                elif mf_mode == MF_DRAFT:
-                    mf_rows += len(best)
-                    state.ledger_entry = (MODEL_FREE, bucket, 0.0)
-                elif resting_mf:
-                    self._mf_rest_winners.add(seq_id)
-            if resting_mf and (best is None or best.source in self._resting):
-                self._mf_following.discard(seq_id)  # no copy of theirs under way
-        if mf_mode == MF_DRAFT and seconds_per_token > 0:  # booked once the step is timed
-            self._mf_pending = (bucket, len(requests), mf_rows * cost_per_token
-                                + (self._clock() - now - model_seconds) / seconds_per_token,
-                                model_seconds == 0.0)
+            if model_free is False:  # a model drafter's: its rows and gain booked
+                self.ledger.charge(best.source, bucket, len(best) * cost_per_token)
+                rival = best_of.get(seq_id, (0, None, 0.0))[2]
+                state.ledger_entry = (best.source, bucket, max(0.0, rival))
+            if self.model_free.winner(seq_id, mf_mode, model_free):
+                mf_rows += len(best)
+                state.ledger_entry = (MODEL_FREE, bucket, 0.0)
+        if seconds_per_token > 0:  # booked once the step is timed (drafting rounds only)
+            self.model_free.book_round(mf_mode, bucket, len(requests), mf_rows * cost_per_token,
+                                       (self._clock() - now - model_seconds) / seconds_per_token,
+                                       model_seconds == 0.0)
         return winners
 
     def _model_free_mode(self, requests: list[DraftRequest], bucket: int) -> int:
-        """Whether the model-free speculators draft this round (MF_DRAFT, the round joins
-        their ledger window), rest through it (MF_REST) or, resting, draft to see whether a
-        copy starts (MF_PROBE: every MODEL_FREE_PROBE_EVERY rounds of a rest); MF_UNBOOKED:
-        they draft outside the ledger (resting off, a bucket below MODEL_FREE_MIN_BUCKET, or
-        none of them asked)."""
-        if not self._rests_losers() or bucket < MODEL_FREE_MIN_BUCKET or not any(
-                not self.speculators[name].is_model_based
-                for r in requests for name in self._seqs[r.seq_id].types):
-            return MF_UNBOOKED
-        if not self.ledger.resting(MODEL_FREE, bucket, MODEL_FREE_LOSS_SHARE):
-            return MF_DRAFT
-        left = self.ledger.account(MODEL_FREE, bucket).rest_left
-        return MF_PROBE if left % MODEL_FREE_PROBE_EVERY == 0 else MF_REST
+        """What the model-free speculators do this round (`ModelFreeRest.mode`)."""
+        asked = any(not self.speculators[name].is_model_based
+                    for r in requests for name in self._seqs[r.seq_id].types)
+        return self.model_free.mode(bucket, self._rests_losers(), asked)
+
+    def decides_drafting(self, types_per_seq: list[tuple[str, ...]], num_decoding: int) -> bool:
+        """Whether the chain itself decides whether drafting pays for a step of `num_decoding`
+        decoding sequences using the speculators `types_per_seq` (per sequence): all of them
+        model-free, their account booking this concurrency (model_free_rest.py). The engine's
+        tuner then leaves the step alone (`SpecTuner.leave_to_chain`)."""
+        names = {name for types in types_per_seq for name in types}
+        return bool(names) and self._rests_losers() \
+            and self.ledger.bucket(num_decoding) >= MODEL_FREE_MIN_BUCKET \
+            and not any(self.speculators[name].is_model_based for name in names)
 
     def _rests_through(self, name: str, bucket: int) -> bool:
         """Whether speculator `name` is not asked at all in the next round of `bucket`: a model
         drafter resting, a model-free one resting and not probing (`_model_free_mode`)."""
         if name in self._resting:
             return self.ledger.account(name, bucket).rest_left > 0
-        if name not in self.speculators or bucket < MODEL_FREE_MIN_BUCKET:
-            return False
-        left = self.ledger.account(MODEL_FREE, bucket).rest_left
-        return left > 0 and (left - 1) % MODEL_FREE_PROBE_EVERY != 0
+        return name in self.speculators and self.model_free.rests_through(bucket)
 
     def _rests_losers(self) -> bool:
         return self.probe_interval > 0 if self.rest_losers is None else self.rest_losers
@@ -501,9 +446,9 @@ class SpeculatorChain:
                                                for name in names):
             return False
         if any(name not in self._resting for name in names):
-            if any(seq_id in self._mf_following for seq_id, _ in seqs):
-                return False  # a copy under way: draft for it (`_model_free_mode`)
-            self.ledger.resting(MODEL_FREE, bucket, MODEL_FREE_LOSS_SHARE)
+            if any(seq_id in self.model_free.following for seq_id, _ in seqs):
+                return False  # a copy under way: draft for it (model_free_rest.py)
+            self.model_free.count_rest_round(bucket)
         self._round_bucket = bucket
         for name in names & self._resting.keys():
             self.ledger.resting(name, bucket)
@@ -779,12 +724,7 @@ class SpeculatorChain:
             name, bucket, rival = state.ledger_entry
             self.ledger.credit(name, bucket, num_accepted - rival)
             state.ledger_entry = None
-        if seq_id in self._mf_rest_winners:  # a draft of a rest: a copy under way, or not
-            self._mf_rest_winners.discard(seq_id)
-            if num_accepted == len(winner):
-                self._mf_following.add(seq_id)
-            else:
-                self._mf_following.discard(seq_id)
+        self.model_free.verdict(seq_id, num_accepted == len(winner))
         state.probe_every.pop(winner.source, None)  # verified again: probe at the base rate
         ctx = state.context[winner.source]
         self._observe(state, winner.source, len(winner), num_accepted)

@@ -27,7 +27,7 @@ one before (a new request at concurrency 1) starts its bucket's account over: re
 request's text and carrying the rest (4x longer each time) into the next ones took `eagle3` on
 translation at c=1 from 1.23x to 1.10x plain in one bench run.
 
-The chain keeps one more account, `model-free` (chain.py, MODEL_FREE): the model-free
+The chain keeps one more account, `model-free` (model_free_rest.py): the model-free
 speculators together, their gain the tokens their verified drafts got accepted, their cost
 their draft rounds (calls and judging) and verified rows. It is judged at "gain < cost", in
 buckets of 4 and more sequences only, and while it rests the chain still drafts with them every

@@ -312,6 +312,34 @@ def test_tuned_outputs_equal_plain(default_engine):
     assert tuned[0].output_ids == plain[0].output_ids
 
 
+def test_steps_of_four_or_more_model_free_drafting_sequences_are_left_to_the_chain(default_engine):
+    """With only model-free speculators and 4+ decoding sequences the chain's own ledger
+    account decides whether drafting pays (speculators/model_free_rest.py): the tuner neither
+    chooses nor scores those steps, counts them, and the output is plain's."""
+    engine = Engine(model="default", spec_type=["ngram_mod", "suffix"], spec_tune=True,
+                    num_threads=TEST_THREADS, kv_cache_tokens=8192)
+    chosen = []
+    choose = engine.tuner.choose
+    engine.tuner.choose = lambda num_decoding, alone=None: chosen.append(num_decoding) or \
+        choose(num_decoding, alone=alone)
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+               for text in ("Repeat exactly: the cat sat on the mat, the cat sat on the mat.",
+                            "Count from one to twenty in words.", "Name three colours.",
+                            "Repeat exactly: one two three, one two three, one two three.")]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    tuned = engine.run_to_completion(prompts, params)
+    summary = engine.status().tuner
+    assert summary["4"]["steps_left_to_chain"] >= 10 and summary["4"]["steps"] == 0
+    assert all(n < 4 for n in chosen)
+    assert sum(s.spec.num_drafts for s in tuned) > 0  # the chain drafted in those steps
+    plain = engine.run_to_completion(prompts, SamplingParams(
+        max_tokens=32, temperature=0.0, ignore_eos=True, spec=SpecParams(enabled=False)))
+    assert [s.output_ids for s in tuned] == [s.output_ids for s in plain]
+    chosen.clear()
+    engine.run_to_completion(prompts[:2], params)  # two sequences: the tuner's
+    assert chosen and set(chosen) <= {1, 2}
+
+
 def drifting_run(ratio, plain_rate, steps=2000):
     """Drive a tuner where drafting commits `ratio` x plain's tokens at every step, and plain
     decoding runs at `plain_rate(step)` tokens/s (contexts grow, the machine's speed drifts)."""

@@ -16,6 +16,21 @@ def test_tuner_choice_and_switches_are_exported():
     chosen = engine.status().tuner["1"]["n_max"]
     assert f'speculant:spec_tuner_n_max{{bucket="1"}} {float(chosen)}' in text
     assert 'speculant:spec_tuner_switches_off_total{bucket="1"}' in text
+    assert 'speculant:spec_tuner_steps_left_to_chain_total{bucket="1"} 0.0' in text
+
+
+def test_steps_left_to_the_chain_are_exported():
+    """Four sequences drafting with model-free speculators only: their steps are the chain's
+    (SpecTuner.leave_to_chain), counted in /metrics per bucket."""
+    engine = Engine(model="default", spec_type=["synthetic"], spec_tune=True,
+                    spec_options={"synthetic": {"rates": [0.5]}}, num_threads=TEST_THREADS,
+                    kv_cache_tokens=4096)
+    engine.run_to_completion(["Hello.", "Hi.", "Hey.", "Good day."],
+                             SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    left = engine.status().tuner["4"]["steps_left_to_chain"]
+    assert left > 0
+    text = ServerMetrics().render(engine_snapshot(engine)).decode()
+    assert f'speculant:spec_tuner_steps_left_to_chain_total{{bucket="4"}} {float(left)}' in text
 
 
 def test_model_drafter_rests_are_exported():

@@ -2,11 +2,12 @@
 concurrency bucket; one that pays never rests; the chain stops asking a resting drafter and
 tells its sequences to rest, then wakes them for the trial."""
 from speculant.speculators.base import CommittedTokens, Draft, DraftParams, DraftRequest, Speculator
-from speculant.speculators.chain import (MODEL_FREE, MODEL_FREE_MIN_BUCKET,
-                                         MODEL_FREE_PROBE_EVERY, SpeculatorChain)
+from speculant.speculators.chain import SpeculatorChain
 from speculant.speculators.drafter_ledger import (FIRST_REST, LOSS_SHARE, MAX_REST,
                                                   MIN_COST_TOKENS, REST_GROWTH, WINDOW_ROUNDS,
                                                   DrafterLedger)
+from speculant.speculators.model_free_rest import (MODEL_FREE, MODEL_FREE_MIN_BUCKET,
+                                                   MODEL_FREE_PROBE_EVERY)
 
 
 def run_window(ledger, gain_per_round, cost_per_round, bucket=8, name="m"):
@@ -298,7 +299,7 @@ def test_a_copy_starting_during_a_rest_is_followed_every_round_and_dropped_when_
     assert acct.rest_left > 3 * MODEL_FREE_PROBE_EVERY
     copy.right = True
     run_rounds(chain, chain.hist, MODEL_FREE_PROBE_EVERY, clock)  # a probe round in there
-    assert chain._mf_following == set(range(8))
+    assert chain.model_free.following == set(range(8))
     asks, left = copy.asks, acct.rest_left
     run_rounds(chain, chain.hist, MODEL_FREE_PROBE_EVERY, clock)
     assert copy.asks == asks + MODEL_FREE_PROBE_EVERY  # every round, the rest running on
@@ -307,7 +308,7 @@ def test_a_copy_starting_during_a_rest_is_followed_every_round_and_dropped_when_
     assert not chain.resting_round(seqs)  # a round with a copy under way is not skipped
     copy.right = False
     run_rounds(chain, chain.hist, 1, clock)
-    assert not chain._mf_following
+    assert not chain.model_free.following
     asks = copy.asks
     run_rounds(chain, chain.hist, 2 * MODEL_FREE_PROBE_EVERY, clock)
     assert copy.asks == asks + 2  # probe rounds only
@@ -350,3 +351,21 @@ def test_model_free_rounds_are_booked_at_their_measured_step_time_once_plain_ste
         assert chain.stats["copy"].num_accepted_tokens > 0
         rests = chain.ledger.summary()[MODEL_FREE][8]["num_rests"]
         assert (rests > 0) == known_plain
+
+
+def test_the_chain_decides_drafting_itself_only_where_its_model_free_account_books():
+    """The engine's tuner leaves a step to the chain exactly where every speculator asked is
+    model-free and their account books the concurrency (4+ sequences, rests on)."""
+    clock = Clock()
+    chain = SpeculatorChain([CopyDrafter(clock, 0.0, True),
+                             CountingDrafter(clock, 0.0, True)], clock=clock)
+    copy, model = ("copy",), ("model",)
+    assert chain.decides_drafting([copy] * 4, 4) and chain.decides_drafting([copy] * 8, 8)
+    assert chain.decides_drafting([copy, (), copy, copy], 4)  # a plain request among them
+    assert not chain.decides_drafting([copy] * 2, 2)  # below MODEL_FREE_MIN_BUCKET
+    assert MODEL_FREE_MIN_BUCKET == 4
+    assert not chain.decides_drafting([copy, model, copy, copy], 4)  # a model drafter asked
+    assert not chain.decides_drafting([("copy", "model")] * 8, 8)
+    assert not chain.decides_drafting([()] * 8, 8)  # nothing asked
+    off = SpeculatorChain([CopyDrafter(clock, 0.0, True)], clock=clock, rest_losers=False)
+    assert not off.decides_drafting([copy] * 8, 8)

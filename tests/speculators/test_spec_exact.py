@@ -60,9 +60,9 @@ def test_chain_equals_plain_batch4_and_drafts_get_accepted(default_engine, sampl
 
 def test_chain_equals_plain_through_model_free_rests_and_probes(default_engine, monkeypatch):
     """The model-free speculators resting, probing and drafting in turn (as their ledger
-    account makes them where they lose: chain.py, MODEL_FREE) change no output at batch 4, and
+    account makes them where they lose: model_free_rest.py) change no output at batch 4, and
     rounds both rest and draft."""
-    from speculant.speculators import chain as chain_module
+    from speculant.speculators import model_free_rest as mf
 
     prompts = shortest_prompts(default_engine, 2)  # 4 sequences: bucket 4, where rests apply
     plain = [s.output_ids for s in
@@ -71,12 +71,12 @@ def test_chain_equals_plain_through_model_free_rests_and_probes(default_engine, 
     seen = []
 
     def mode(requests, bucket):
-        m = (chain_module.MF_DRAFT, chain_module.MF_REST, chain_module.MF_PROBE)[next(modes) % 3]
+        m = (mf.MF_DRAFT, mf.MF_REST, mf.MF_PROBE)[next(modes) % 3]
         seen.append(m)
         return m
     monkeypatch.setattr(default_engine.chain, "_model_free_mode", mode)
     spec = check_exact(default_engine, prompts, MODEL_FREE, 48, batch=4, plain=plain)
-    assert chain_module.MF_REST in seen and chain_module.MF_PROBE in seen
+    assert mf.MF_REST in seen and mf.MF_PROBE in seen
     assert sum(s.spec.num_draft_tokens for s in spec) > 0
 
 
