@@ -41,6 +41,12 @@ class ForwardBatch:
     cu_num_hidden: list[int] | None = None
     # [S] int32 prompt length of each chunk's sequence, when a chunk holds prompt positions
     prompt_lens: torch.Tensor | None = None
+    # [T] int32 `positions`, the attention kernels' index type (None: cast `positions`)
+    token_pos: torch.Tensor | None = None
+
+    def positions_i32(self) -> torch.Tensor:
+        """`positions` as int32 [T] (built with the batch; a cast for one built by hand)."""
+        return self.positions.to(torch.int32) if self.token_pos is None else self.token_pos
 
     @property
     def num_tokens(self) -> int:
@@ -80,25 +86,34 @@ def build_forward_batch(cache: KVCache, chunks: list[SeqChunk], device="cpu",
         cu_hidden.append(len(hidden_rows))
         tables.append(cache.block_table(chunk.seq_id))
     max_blocks = max(len(t) for t in tables)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-
-    def as_tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    num_tokens, num_seqs = len(token_ids), len(chunks)
+    has_prompt = any(c.start_pos < c.num_prompt_tokens for c in chunks)
+    want_rows = bool(hidden_layers) and len(hidden_rows) < num_tokens
+    # Two host-to-tensor copies in all, one per dtype, each field a view of its run: each
+    # torch.tensor call costs ~4 us, and a drafting round at c=1 builds three batches (the
+    # target's and two head forwards): six calls each were ~1.5% of an eagle3 run.
+    wide = token_ids + positions + slots + logits_indices + (hidden_rows if want_rows else [])
+    narrow = token_seq + positions + (prompt_lens if has_prompt else [])
+    for t in tables:
+        narrow.extend(t)
+        narrow.extend([0] * (max_blocks - len(t)))
+    wide_t = torch.tensor(wide, dtype=torch.int64, device=device)
+    narrow_t = torch.tensor(narrow, dtype=torch.int32, device=device)
+    num_logits, num_rows = len(logits_indices), len(hidden_rows)
+    w0, n0 = 3 * num_tokens, 2 * num_tokens + (num_seqs if has_prompt else 0)
     return ForwardBatch(
-        token_ids=as_tensor(token_ids, torch.int64),
-        positions=as_tensor(positions, torch.int64),
-        slot_mapping=as_tensor(slots, torch.int64),
-        block_tables=as_tensor(padded, torch.int32),
-        token_seq=as_tensor(token_seq, torch.int32),
-        logits_indices=as_tensor(logits_indices, torch.int64),
+        token_ids=wide_t[:num_tokens],
+        positions=wide_t[num_tokens:2 * num_tokens],
+        slot_mapping=wide_t[2 * num_tokens:w0],
+        block_tables=narrow_t[n0:].view(num_seqs, max_blocks),
+        token_seq=narrow_t[:num_tokens],
+        logits_indices=wide_t[w0:w0 + num_logits],
         cu_num_tokens=cu_tokens,
         cu_num_logits=cu_logits,
         hidden_layers=hidden_layers,
         # None when every row is wanted: the models then copy their layers' outputs whole
-        hidden_rows=(as_tensor(hidden_rows, torch.int64)
-                     if hidden_layers and len(hidden_rows) < len(token_ids) else None),
+        hidden_rows=wide_t[w0 + num_logits:w0 + num_logits + num_rows] if want_rows else None,
         cu_num_hidden=cu_hidden,
-        prompt_lens=(as_tensor(prompt_lens, torch.int32)
-                     if any(c.start_pos < c.num_prompt_tokens for c in chunks) else None),
+        prompt_lens=narrow_t[2 * num_tokens:n0] if has_prompt else None,
+        token_pos=narrow_t[num_tokens:2 * num_tokens],
     )

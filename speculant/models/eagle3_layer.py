@@ -90,7 +90,7 @@ class PackedEagle3Layer:
         return torch.ops.speculant.eagle3_layer.default(
             embeds, hidden, self.weights, self.qtypes, self.out_features, self.rope_cos,
             self.rope_sin, batch.positions, k_cache, v_cache, batch.slot_mapping,
-            batch.block_tables, batch.token_seq, batch.positions.to(torch.int32), logits_rows,
+            batch.block_tables, batch.token_seq, batch.positions_i32(), logits_rows,
             self.num_heads, self.eps, self.scale)
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:

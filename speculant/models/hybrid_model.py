@@ -93,7 +93,7 @@ class HybridModel:
             raise ValueError(f"state batch has {len(states.slots)} chunks, the forward batch "
                              f"{len(batch.cu_num_tokens) - 1}")
         cos, sin = rope_tables(batch.positions, c.rotary_dim, c.rope_theta)
-        run = ForwardRun(batch, cache, states, cos, sin, batch.positions.to(torch.int32), {})
+        run = ForwardRun(batch, cache, states, cos, sin, batch.positions_i32(), {})
         h = self.embed_tokens(batch.token_ids)  # [T, hidden], the residual stream
         wanted = set(batch.hidden_layers)
         hidden: dict[int, torch.Tensor] = {}

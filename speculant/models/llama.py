@@ -131,7 +131,7 @@ class Model:
     def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
         c = self.config
         eps = c.rms_norm_eps
-        token_pos = batch.positions.to(torch.int32)  # paged_attention's index type, cast once
+        token_pos = batch.positions_i32()  # paged_attention's index type, cast once
         # the residual stream [T, hidden], updated in place by every layer (hence the clones below)
         h = self.embed.embed(batch.token_ids).contiguous()
         wanted = sorted(set(batch.hidden_layers))

@@ -622,7 +622,7 @@ class FeatureDrafter(Speculator):
         k_cache, v_cache = self.cache.k[0], self.cache.v[0]
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
         attn = paged_attention(q.contiguous().float(), k_cache, v_cache, batch.block_tables,
-                               batch.token_seq, batch.positions.to(torch.int32),
+                               batch.token_seq, batch.positions_i32(),
                                head.config.head_dim ** -0.5)  # [T, H, hd]
         return head.finish(attn.reshape(attn.shape[0], -1), residual), None
 
