@@ -28,10 +28,14 @@ class SeqSpecStats(AcceptanceCounters):
         self.by_type.setdefault(source, AcceptanceCounters()).record_draft(draft_len, num_accepted)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Sequence:
     """Invariant while decoding: `num_computed == len(token_ids) - 1` — the last sampled token
-    is not yet in the KV cache; it is the first input of the next step."""
+    is not yet in the KV cache; it is the first input of the next step.
+
+    Compared by identity (eq=False): a request is one object, and the scheduler's membership
+    tests (`seq in self.running`) compared every field of the other sequences they passed,
+    ~1 us each (8,000 calls in a 460-step c=8 run)."""
 
     seq_id: int
     request_id: str
