@@ -401,9 +401,10 @@ class SpeculatorChain:
 
     def _model_free_mode(self, requests: list[DraftRequest], bucket: int) -> int:
         """What the model-free speculators do this round (`ModelFreeRest.mode`)."""
-        asked = any(not self.speculators[name].is_model_based
-                    for r in requests for name in self._seqs[r.seq_id].types)
-        return self.model_free.mode(bucket, self._rests_losers(), asked)
+        enabled = self._rests_losers() and bucket >= MODEL_FREE_MIN_BUCKET
+        asked = enabled and any(not self.speculators[name].is_model_based
+                                for r in requests for name in self._seqs[r.seq_id].types)
+        return self.model_free.mode(bucket, enabled, asked)
 
     def decides_drafting(self, types_per_seq: list[tuple[str, ...]], num_decoding: int) -> bool:
         """Whether the chain itself decides whether drafting pays for a step of `num_decoding`
