@@ -278,6 +278,7 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         decode_tok_s=round(statistics.median(rates), 2), e2e_tok_s=round(gen / chosen.wall_s, 2),
         mean_accepted_length=round(spec.mean_accepted_length, 3),
         acceptance_rate=round(spec.acceptance_rate, 3),
+        mean_accepted_length_per_draft=round(spec.mean_accepted_length_per_draft, 3),
         draft_time_share=round(st.time_draft_s / step_time, 3) if step_time else 0.0,
         identical_to_plain=_num_identical(runs, plain[0]) if plain else None,
         repeats_decode_tok_s=[round(r, 2) for r in rates], decode_tok_s_best=round(max(rates), 2),
@@ -305,7 +306,8 @@ def _progress_line(r: RunResult, plain_runs: list[Run]) -> str:
     same = "" if r.identical_to_plain is None else f", same {r.identical_to_plain}/{r.num_prompts}"
     flag = ", INTERFERENCE" if r.interference else ""
     return (f"{r.category} c={r.concurrency} {r.method}: {r.decode_tok_s:.1f} tok/s, "
-            f"{speedup:.2f}x, acc.len {r.mean_accepted_length:.2f}{same}{flag}")
+            f"{speedup:.2f}x, acc.len {r.mean_accepted_length:.2f} "
+            f"({r.mean_accepted_length_per_draft:.2f} per draft){same}{flag}")
 
 
 def _write_records(path: str, groups: dict[str, list[BenchPrompt]], plain_runs: dict[str, Run]) -> None:

@@ -46,6 +46,8 @@ Result: one method on one category at one concurrency
   vs_untuned            METHOD+tuned only (--tune-compare): its paired speedup over METHOD run
                         without the tuner (null otherwise)
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
+  mean_accepted_length_per_draft   1 + accepted / drafts: over the steps that verified a draft
+                        only (vLLM's "mean acceptance length"; 1.0 without drafts)
   acceptance_rate       accepted / drafted tokens (0.0 without drafts)
   draft_time_share      engine time_draft_s / step time (draft + forward + verify); time_draft_s
                         spans scheduling and drafting, so plain shows a small non-zero share
@@ -81,6 +83,7 @@ Category
 
 MethodSummary: one method over all categories at one concurrency
   geomean_speedup, min_speedup, max_speedup, mean_accepted_length (over all steps),
+  mean_accepted_length_per_draft (over the steps that verified a draft),
   acceptance_rate (over all drafts), identical_to_plain, num_prompts
 
 Peer (--compare): the same prompts through another implementation, one request at a time
@@ -123,6 +126,7 @@ class RunResult:
     mean_accepted_length: float
     acceptance_rate: float
     draft_time_share: float
+    mean_accepted_length_per_draft: float = 1.0
     identical_to_plain: int | None = None
     repeats_decode_tok_s: list[float] = field(default_factory=list)
     decode_tok_s_best: float = 0.0
@@ -288,12 +292,14 @@ def _method_summary(rows: list[RunResult]) -> dict:
     speedups = [r.speedup for r in rows if r.speedup > 0]
     steps = sum(r.num_steps for r in rows)
     drafted = sum(r.num_draft_tokens for r in rows)
+    drafts = sum(r.num_drafts for r in rows)
     accepted = sum(r.num_accepted_tokens for r in rows)
     same = [r.identical_to_plain for r in rows]
     return {
         "geomean_speedup": round(_geomean(speedups), 3),
         "min_speedup": min(speedups, default=0.0), "max_speedup": max(speedups, default=0.0),
         "mean_accepted_length": round(1 + accepted / steps, 3) if steps and drafted else 1.0,
+        "mean_accepted_length_per_draft": round(1 + accepted / drafts, 3) if drafts else 1.0,
         "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
         "identical_to_plain": None if None in same else sum(same),
         "num_prompts": sum(r.num_prompts for r in rows),
@@ -333,14 +339,15 @@ def _pooled(peers: list[PeerResult]) -> PeerResult:
 
 def markdown_table(report: dict) -> str:
     head = ["category", "method", "conc", "decode tok/s", "best tok/s", "speedup", "acc.len",
-            "acc.rate", "draft share", "same as plain", "prefill tok/s", "interference"]
+            "acc.len/draft", "acc.rate", "draft share", "same as plain", "prefill tok/s", "interference"]
     rows = []
     for r in report["results"]:
         same = "—" if r["identical_to_plain"] is None else f"{r['identical_to_plain']}/{r['num_prompts']}"
         rows.append([r["category"], r["method"], str(r["concurrency"]), f"{r['decode_tok_s']:.1f}",
                      f"{r['decode_tok_s_best']:.1f}", f"{r['speedup']:.2f}x",
-                     f"{r['mean_accepted_length']:.2f}", f"{r['acceptance_rate']:.2f}",
-                     f"{100 * r['draft_time_share']:.1f}%", same, f"{r['prefill_tok_s']:.0f}",
+                     f"{r['mean_accepted_length']:.2f}",
+                     f"{r.get('mean_accepted_length_per_draft', 1.0):.2f}",
+                     f"{r['acceptance_rate']:.2f}", f"{100 * r['draft_time_share']:.1f}%", same, f"{r['prefill_tok_s']:.0f}",
                      "yes" if r["interference"] else ""])
     if any(r.get("vs_untuned") is not None for r in report["results"]):
         head.append("vs untuned")

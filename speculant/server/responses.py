@@ -37,6 +37,7 @@ def request_timings(seq) -> dict:
         "num_drafts": spec["num_drafts"],
         "acceptance_rate": spec["acceptance_rate"],
         "mean_accepted_length": spec["mean_accepted_length"],
+        "mean_accepted_length_per_draft": spec["mean_accepted_length_per_draft"],
         "accepted_per_pos": spec["accepted_per_pos"],
         "spec_types": list(seq.spec_types),
         "per_speculator": spec["per_speculator"],

@@ -86,6 +86,14 @@ class AcceptanceCounters:
         return 1.0 + self.num_accepted_tokens / self.num_steps if self.num_steps else 1.0
 
     @property
+    def mean_accepted_length_per_draft(self) -> float:
+        """1 + accepted / drafts: tokens per step that verified a draft, as vLLM's "mean
+        acceptance length" and EAGLE's tau count them. `mean_accepted_length` counts every step,
+        those the chain priced out of drafting (one token each) too: the two differ by how often
+        drafting was judged worth it, this one is the drafter's accuracy alone."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
@@ -104,6 +112,7 @@ class AcceptanceCounters:
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, digits),
+            "mean_accepted_length_per_draft": round(self.mean_accepted_length_per_draft, digits),
             "acceptance_rate": round(self.acceptance_rate, digits),
             "accepted_per_pos": list(self.accepted_per_pos),
         }

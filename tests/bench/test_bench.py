@@ -29,7 +29,7 @@ TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "dtype", "kv_dtyp
 RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_tokens",
                "generated_tokens", "prefill_tok_s", "decode_tok_s", "decode_tok_s_best",
                "repeats_decode_tok_s", "e2e_tok_s", "speedup", "mean_accepted_length",
-               "acceptance_rate", "draft_time_share", "identical_to_plain", "num_steps",
+               "mean_accepted_length_per_draft", "acceptance_rate", "draft_time_share", "identical_to_plain", "num_steps",
                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "interference",
                "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost", "tuner",
                "rests", "repeats_speedup", "vs_untuned"}
@@ -454,6 +454,11 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert report["interleave_s"] is None  # --no-interleave: one engine, methods in turn
     assert all(set(r) == RESULT_KEYS for r in report["results"])
     assert report["categories"]["qa"]["methods"]["suffix"]["1"]["identical_to_plain"] == 1
+    for r in report["results"]:  # each accepted-length figure from the row's own counters
+        steps, drafts, accepted = r["num_steps"], r["num_drafts"], r["num_accepted_tokens"]
+        assert r["mean_accepted_length"] == pytest.approx(1 + accepted / steps, abs=1e-3)
+        assert r["mean_accepted_length_per_draft"] == pytest.approx(
+            1 + accepted / drafts if drafts else 1.0, abs=1e-3)
     row_costs = {r["method"]: r["row_cost"] for r in report["results"]}
     assert row_costs["plain"] is None and 0.0 < row_costs["suffix"] < 1.0
     assert report["files"]["chart"].endswith(".png")

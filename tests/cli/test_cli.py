@@ -12,7 +12,8 @@ CLI = [sys.executable, "-m", "speculant.cli.main"]
 FIELDS = {"id", "text", "token_ids", "num_prompt_tokens", "num_generated", "time_s", "tokens_per_s",
           "queue_time_s", "prefill_time_s", "decode_time_s", "decode_tokens_per_s"}
 SPEC_FIELDS = {"type_used", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-               "mean_accepted_length", "accepted_per_pos", "per_speculator"}
+               "mean_accepted_length", "mean_accepted_length_per_draft", "accepted_per_pos",
+               "per_speculator"}
 
 
 def run_cli(*args, check=True):

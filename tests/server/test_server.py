@@ -180,7 +180,8 @@ def test_chat_whole_and_streamed_agree(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
     assert set(_extra(whole, "timings")) >= {"prompt_per_second", "predicted_per_second",
                                              "draft_n", "draft_n_accepted",
-                                             "mean_accepted_length", "accepted_per_pos"}
+                                             "mean_accepted_length",
+                                             "mean_accepted_length_per_draft", "accepted_per_pos"}
 
 
 def test_models_lists_the_served_model(client):

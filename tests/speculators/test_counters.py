@@ -15,6 +15,22 @@ def test_mean_accepted_length_is_tokens_per_verification_step():
     assert c.acceptance_rate == pytest.approx(3 / 7)
 
 
+def test_mean_accepted_length_per_draft_counts_only_steps_that_verified_a_draft():
+    """1 + accepted / drafts (vLLM's mean acceptance length): the steps the chain drafted
+    nothing for do not dilute it, and the summary reports it beside the per-step figure."""
+    c = AcceptanceCounters()
+    for _ in range(4):
+        c.record_step()
+    c.record_draft(5, 3)
+    c.record_draft(2, 0)
+    assert c.mean_accepted_length_per_draft == pytest.approx(1 + 3 / 2)
+    assert c.mean_accepted_length_per_draft > c.mean_accepted_length
+    s = c.summary()
+    assert s["mean_accepted_length_per_draft"] == pytest.approx(2.5)
+    assert s["mean_accepted_length"] == pytest.approx(1.75)
+    assert AcceptanceCounters().summary()["mean_accepted_length_per_draft"] == 1.0
+
+
 def test_no_speculation_reports_one_and_zero():
     """Plain decoding (or nothing yet): mean accepted length 1.0, acceptance rate 0.0."""
     c = AcceptanceCounters()
