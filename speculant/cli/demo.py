@@ -69,7 +69,8 @@ def _side_by_side(llm, prompt: str, types: list[str], max_tokens: int) -> bool:
         out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, spec=spec))[0]
         runs[name] = out
         print(f"\n=== {name}: {out.num_generated} tokens, {out.decode_tokens_per_s:.1f} tok/s decode, "
-              f"mean accepted length {out.spec['mean_accepted_length']:.2f}\n{out.text}")
+              f"mean accepted length {out.spec['mean_accepted_length']:.2f} per step, "
+              f"{out.spec['mean_accepted_length_per_draft']:.2f} per draft\n{out.text}")
     plain, spec_out = runs["plain"], runs[label]
     same = plain.token_ids == spec_out.token_ids
     speedup = spec_out.decode_tokens_per_s / plain.decode_tokens_per_s if plain.decode_tokens_per_s else 0

@@ -4,13 +4,19 @@ import pytest
 from speculant.speculators.counters import AcceptanceCounters, total
 
 
-def test_mean_accepted_length_is_tokens_per_verification_step():
-    """1 + accepted / steps; steps without a draft count (they yield one token)."""
+def four_steps_two_drafts() -> AcceptanceCounters:
+    """4 verification steps, two of which verified a draft: 5 tokens (3 accepted) and 2 (0)."""
     c = AcceptanceCounters()
     for _ in range(4):
         c.record_step()
     c.record_draft(5, 3)
     c.record_draft(2, 0)
+    return c
+
+
+def test_mean_accepted_length_is_tokens_per_verification_step():
+    """1 + accepted / steps; steps without a draft count (they yield one token)."""
+    c = four_steps_two_drafts()
     assert c.mean_accepted_length == pytest.approx(1 + 3 / 4)
     assert c.acceptance_rate == pytest.approx(3 / 7)
 
@@ -18,11 +24,7 @@ def test_mean_accepted_length_is_tokens_per_verification_step():
 def test_mean_accepted_length_per_draft_counts_only_steps_that_verified_a_draft():
     """1 + accepted / drafts (vLLM's mean acceptance length): the steps the chain drafted
     nothing for do not dilute it, and the summary reports it beside the per-step figure."""
-    c = AcceptanceCounters()
-    for _ in range(4):
-        c.record_step()
-    c.record_draft(5, 3)
-    c.record_draft(2, 0)
+    c = four_steps_two_drafts()
     assert c.mean_accepted_length_per_draft == pytest.approx(1 + 3 / 2)
     assert c.mean_accepted_length_per_draft > c.mean_accepted_length
     s = c.summary()
