@@ -6,9 +6,16 @@ by automation: extend them, never rename or drop them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from speculant.cli.options import add_engine_args, add_sampling_args
+from speculant.kernels.thread_policy import prefer_kernel_pool
+
+# Before anything imports torch: libgomp reads OMP_WAIT_POLICY when it loads, and the kernels'
+# own thread pool is the faster one where libgomp's threads sleep (kernels/thread_policy.py).
+prefer_kernel_pool(os.environ, sys.modules)
+
+from speculant.cli.options import add_engine_args, add_sampling_args  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -122,6 +122,14 @@ def prompt_attention() -> str:
     return str(ops.prompt_attention()) if ops is not None else "fp32"
 
 
+def thread_team() -> str | None:
+    """Who runs the native kernels' parallel chunks: "pool" (their own work-sharing pool, when
+    OMP_WAIT_POLICY=passive or SPECULANT_POOL=1 was in the environment; kernels/thread_policy.py)
+    or "openmp" (torch's OpenMP threads); None without the native kernels."""
+    ops = load_ops()
+    return str(ops.thread_team()) if ops is not None else None
+
+
 def tile_kv_cache() -> bool:
     """Whether attention runs natively over a bfloat16 KV cache in the AMX tiles' layout
     (kernels/kv_layout.py): a CPU with AMX-BF16 and AVX512_BF16, and the native kernels."""

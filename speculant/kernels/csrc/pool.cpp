@@ -127,6 +127,8 @@ bool use_pool() {
 
 int pool_threads() { return std::max(1, at::get_num_threads()); }
 
+std::string thread_team() { return use_pool() ? "pool" : "openmp"; }
+
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   const int64_t num_chunks = (n + chunk - 1) / chunk;
   if (!use_pool()) {

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 namespace speculant {
 
@@ -37,6 +38,10 @@ void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx);
 
 // Number of threads a parallel_for may use (the caller included): at::get_num_threads().
 int pool_threads();
+
+// Who runs run_chunks' chunks in this process: "pool" (this file's work-sharing pool) or
+// "openmp" (torch's OpenMP threads), decided once from the environment (see above).
+std::string thread_team();
 
 template <typename F>
 void parallel_for(int64_t n, int64_t chunk, const F& f) {
