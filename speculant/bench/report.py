@@ -339,7 +339,8 @@ def _pooled(peers: list[PeerResult]) -> PeerResult:
 
 def markdown_table(report: dict) -> str:
     head = ["category", "method", "conc", "decode tok/s", "best tok/s", "speedup", "acc.len",
-            "acc.len/draft", "acc.rate", "draft share", "same as plain", "prefill tok/s", "interference"]
+            "acc.len/draft", "acc.rate", "draft share", "same as plain", "prefill tok/s",
+            "interference"]
     rows = []
     for r in report["results"]:
         same = "—" if r["identical_to_plain"] is None else f"{r['identical_to_plain']}/{r['num_prompts']}"
@@ -347,7 +348,8 @@ def markdown_table(report: dict) -> str:
                      f"{r['decode_tok_s_best']:.1f}", f"{r['speedup']:.2f}x",
                      f"{r['mean_accepted_length']:.2f}",
                      f"{r.get('mean_accepted_length_per_draft', 1.0):.2f}",
-                     f"{r['acceptance_rate']:.2f}", f"{100 * r['draft_time_share']:.1f}%", same, f"{r['prefill_tok_s']:.0f}",
+                     f"{r['acceptance_rate']:.2f}", f"{100 * r['draft_time_share']:.1f}%", same,
+                     f"{r['prefill_tok_s']:.0f}",
                      "yes" if r["interference"] else ""])
     if any(r.get("vs_untuned") is not None for r in report["results"]):
         head.append("vs untuned")
