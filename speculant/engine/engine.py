@@ -127,7 +127,8 @@ class Engine:
                                 max_seq_len=self.max_model_len, device=config.device,
                                 tokenizer=self.tokenizer, target=TargetView(
                                     loaded.config, self.model_path, self.model.embed_tokens,
-                                    self.model.final_norm, self.model.lm_head),
+                                    self.model.final_norm, self.model.lm_head,
+                                    embed_table=getattr(self.model, "embed", None)),
                                 kv_dtype=config.kv_dtype)
         self.chain = SpeculatorChain(create_speculators(config, ctx))
         self.cost = StepCostModel()

@@ -39,6 +39,9 @@ class PackedEagle3Layer:
     num_heads: int
     eps: float
     scale: float
+    # the target's packed token table [vocab, d] (None: the caller passes embeddings)
+    embed_table: PackedLinear | None = None
+    fc: PackedLinear | None = None  # [n_feat * d] -> [d] (None: the caller passes fused hidden)
     # the native call's weight list (csrc/head_layer.cpp's Slot order), qtype codes and widths,
     # derived from the fields above
     weights: list = field(init=False)
@@ -46,16 +49,18 @@ class PackedEagle3Layer:
     out_features: list = field(init=False)
 
     def __post_init__(self) -> None:
-        linears = (self.qkv, self.o_proj, self.gate_up, self.down, self.lm_head)
+        linears = (self.qkv, self.o_proj, self.gate_up, self.down, self.lm_head,
+                   self.embed_table, self.fc)
 
-        def packed(m: PackedLinear) -> list:
-            return [m.data, m.scales, m.mins]
+        def packed(m: PackedLinear | None) -> list:
+            return [None] * 3 if m is None else [m.data, m.scales, m.mins]
 
         self.weights = [self.input_norm, self.hidden_norm, *packed(self.qkv),
                         *packed(self.o_proj), self.post_norm, *packed(self.gate_up),
-                        *packed(self.down), self.final_norm, *packed(self.lm_head)]
-        self.qtypes = [QTYPES.index(m.qtype) for m in linears]
-        self.out_features = [m.out_features for m in linears]
+                        *packed(self.down), self.final_norm, *packed(self.lm_head),
+                        *packed(self.embed_table), *packed(self.fc)]
+        self.qtypes = [-1 if m is None else QTYPES.index(m.qtype) for m in linears]
+        self.out_features = [0 if m is None else m.out_features for m in linears]
 
     @classmethod
     def of(cls, head) -> PackedEagle3Layer | None:
@@ -71,27 +76,36 @@ class PackedEagle3Layer:
         def vec(norm) -> torch.Tensor:
             return norm.weight.detach().float().contiguous()
 
+        table = None if head.embed_tokens is not None else \
+            getattr(head._target_embed, "table", None)
         return cls(input_norm=vec(m.input_layernorm), hidden_norm=vec(m.hidden_norm),
                    qkv=PackedLinear.concat([a.q_proj.packed, a.k_proj.packed, a.v_proj.packed]),
                    o_proj=a.o_proj.packed, post_norm=vec(m.post_attention_layernorm),
                    gate_up=PackedLinear.concat([mlp.gate_proj.packed, mlp.up_proj.packed]),
                    down=mlp.down_proj.packed, final_norm=vec(head.norm),
                    lm_head=head.lm_head.packed, rope_cos=head.rope_cos, rope_sin=head.rope_sin,
-                   num_heads=c.num_heads, eps=c.rms_norm_eps, scale=c.head_dim ** -0.5)
+                   num_heads=c.num_heads, eps=c.rms_norm_eps, scale=c.head_dim ** -0.5,
+                   embed_table=table if isinstance(table, PackedLinear) and
+                   table.qtype in QTYPES else None,
+                   fc=getattr(head.fc, "packed", None))
 
-    def __call__(self, embeds: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
+    def __call__(self, inputs: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 logits_rows: torch.Tensor | None = None):
-        # embeds [T, d] token embeddings; hidden [T, d] fused feature or previous output;
-        # k_cache [num_blocks, KV, hd, block_size] / v_cache [num_blocks, block_size, KV, hd]
-        # (kernels/kv_layout.py), written at batch.slot_mapping; logits_rows [R] int64
+                 logits_rows: torch.Tensor | None = None, pick: bool = False):
+        # inputs: token ids [T] int64 (needs embed_table) or their embeddings [T, d]; hidden
+        # [T, d] fused feature or previous output, or the captured features [T, n_feat * d]
+        # (needs fc); k_cache [num_blocks, KV, hd, block_size] / v_cache [num_blocks,
+        # block_size, KV, hd] (kernels/kv_layout.py), written at batch.slot_mapping;
+        # logits_rows [R] int64
         """-> (h_out [T, d], the layer's output before the head's final norm; logits
-        [R, draft_vocab] of its rows `logits_rows`, [0, draft_vocab] without them)."""
+        [R, draft_vocab] of its rows `logits_rows`, [0, draft_vocab] without them; with `pick`
+        each logits row's argmax column [R] int64 and its softmax probability [R], as
+        `row_argmax(logits, with_prob=True)` gives them, else empty tensors)."""
         return torch.ops.speculant.eagle3_layer.default(
-            embeds, hidden, self.weights, self.qtypes, self.out_features, self.rope_cos,
+            inputs, hidden, self.weights, self.qtypes, self.out_features, self.rope_cos,
             self.rope_sin, batch.positions, k_cache, v_cache, batch.slot_mapping,
             batch.block_tables, batch.token_seq, batch.positions_i32(), logits_rows,
-            self.num_heads, self.eps, self.scale)
+            self.num_heads, self.eps, self.scale, pick)
 
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         """h_out [R, d] -> [R, draft_vocab]: the final norm and the LM head, as the layer's call

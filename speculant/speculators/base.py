@@ -314,6 +314,9 @@ class TargetView:
     # [vocab, hidden] weight, callable on final-normed rows [R, hidden] -> [R, vocab]
     # (a PackedLinear: also select_rows(ids), dequantize())
     lm_head: Callable[[torch.Tensor], torch.Tensor]
+    # the packed token table whose rows `embed` dequantizes (a PackedLinear), when the target
+    # keeps one: a drafter's native call may look its tokens up itself (models/eagle3_layer.py)
+    embed_table: object | None = None
 
 
 @dataclass(slots=True)

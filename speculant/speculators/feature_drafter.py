@@ -170,7 +170,11 @@ def _slice_part(part: torch.Tensor | _StepRows, lo: int, hi: int) -> torch.Tenso
 def _join_views(views: list[_StepRows], layers: tuple[int, ...]) -> torch.Tensor:
     """[sum n, len(layers) * hidden] the views' rows as one tensor of their own: per layer
     the rows of every step, then the layers side by side (len(layers) + 1 copies, however
-    many steps; no step's whole batch is fused for it)."""
+    many steps; no step's whole batch is fused for it; one copy for one view, the common case
+    at c=1, where the per-layer joins had been ~3% of a drafting round)."""
+    if len(views) == 1:
+        v = views[0]
+        return torch.cat([v.step.by_layer[i][v.start:v.start + v.n] for i in layers], dim=-1)
     per_layer = [torch.cat([v.step.by_layer[i][v.start:v.start + v.n] for v in views])
                  for i in layers]
     return torch.cat(per_layer, dim=-1)
@@ -463,21 +467,22 @@ class FeatureDrafter(Speculator):
         return self._waiting_chunk(r.seq_id, state)
 
     def _compute_committed(self, chunks: list[SeqChunk], with_logits: bool = False
-                           ) -> dict[int, torch.Tensor]:
+                           ) -> dict[int, tuple]:
         """One batched forward over the committed entries of `chunks`, fed their fused
         features; a chunk asking for logits keeps its newest entry's output (`last`). With
         `with_logits`, that entry's draft logits too, computed in the same call (returned by
-        sequence, [1, draft_vocab] each): the first draft token's, which drafting reads next
-        (a separate LM-head call after the forward took ~0.3 ms of a ~2.4 ms draft at c=1)."""
+        sequence: ([1, draft_vocab], its greedy pick (col, prob) or None)): the first draft
+        token's, which drafting reads next (a separate LM-head call after the forward took
+        ~0.3 ms of a ~2.4 ms draft at c=1)."""
         if not chunks:
             return {}
         raw = torch.cat([self._seqs[c.seq_id].features()[:len(c.token_ids)] for c in chunks])
-        out = self._forward(chunks, self.head.fuse(raw), with_logits=with_logits)
+        out = self._forward(chunks, self._layer_hidden(raw), with_logits=with_logits)
         if out is None:  # the head's cache is full: these sequences draft nothing for now
             for chunk in chunks:
                 self._seqs[chunk.seq_id].last = None
             return {}
-        logits, h_rows = out if with_logits else (None, out)
+        logits, h_rows, picks = out if with_logits else (None, out, None)
         first_logits, row = {}, 0
         for chunk in chunks:
             state = self._seqs[chunk.seq_id]
@@ -488,9 +493,20 @@ class FeatureDrafter(Speculator):
             if chunk.num_logits:
                 state.last = h_rows[row:row + 1]
                 if logits is not None:
-                    first_logits[chunk.seq_id] = logits[row:row + 1]
+                    first_logits[chunk.seq_id] = (logits[row:row + 1],
+                                                  None if picks is None else picks[row])
                 row += 1
         return first_logits
+
+    def _layer_hidden(self, raw: torch.Tensor) -> torch.Tensor:
+        """The committed entries' hidden input from their captured features `raw` [T, n_feat *
+        d]: as they are when the native layer fuses them itself (`fc` in its call), else fused
+        here ([T, d])."""
+        layer = self.packed_layer
+        if layer is not None and layer.fc is not None \
+                and raw.shape[-1] != layer.input_norm.shape[0]:
+            return raw
+        return self.head.fuse(raw)
 
     # ---- drafting ----------------------------------------------------------------------------
 
@@ -525,14 +541,17 @@ class FeatureDrafter(Speculator):
         return {seq_id: g.to_draft() for seq_id, g in grown.items()
                 if len(g.ids) >= max(1, by_id[seq_id].params.n_min)}
 
-    def _first_logits(self, ready: list[DraftRequest], computed: dict[int, torch.Tensor]):
-        """(logits [S, draft_vocab], h [S, hidden]) of the `ready` sequences' newest committed
-        entries: their logits from the catch-up forward (`computed`), the LM head run now
-        for the entries computed before this round (`process`, PENDING_LIMIT)."""
+    def _first_logits(self, ready: list[DraftRequest], computed: dict[int, tuple]):
+        """(logits [S, draft_vocab], h [S, hidden], greedy picks or None) of the `ready`
+        sequences' newest committed entries: their logits (and picks) from the catch-up forward
+        (`computed`), the LM head run now for the entries computed before this round
+        (`process`, PENDING_LIMIT)."""
         last = torch.cat([self._seqs[r.seq_id].last for r in ready])  # [S, hidden]
         if all(r.seq_id in computed for r in ready):
-            return torch.cat([computed[r.seq_id] for r in ready]), last
-        return self._draft_logits(last), last
+            picks = [computed[r.seq_id][1] for r in ready]
+            return (torch.cat([computed[r.seq_id][0] for r in ready]), last,
+                    None if any(p is None for p in picks) else picks)
+        return self._draft_logits(last), last, None
 
     def revival_rows(self, seq_id: int) -> int:
         """A silent sequence (never asked, or not lately) restarts on its newest HEAD_WINDOW
@@ -588,34 +607,44 @@ class FeatureDrafter(Speculator):
 
     def _forward(self, chunks: list[SeqChunk], hidden: torch.Tensor, with_logits: bool = True):
         """One batched head forward over `chunks` (entries at their positions, fed `hidden`
-        [T, hidden]); their K/V stay in the cache up to each chunk's end. Returns (logits
-        [R, draft_vocab], h_out [R, hidden]) of the rows that asked for logits (only h_out
-        without `with_logits`), or None when the head's cache is full."""
+        [T, hidden], or the captured features the native layer fuses: `_layer_hidden`); their
+        K/V stay in the cache up to each chunk's end. Returns (logits [R, draft_vocab], h_out
+        [R, hidden], greedy picks [(col, prob)] * R or None) of the rows that asked for logits
+        (only h_out without `with_logits`), or None when the head's cache is full."""
         try:
             batch = build_forward_batch(self.cache, chunks, self.cache.k[0].device)
         except CacheFullError:
             return None
         self.num_draft_forwards += 1
-        h_out, logits = self._run_layer(batch, hidden,
-                                        batch.logits_indices if with_logits else None)
+        h_out, logits, picks = self._run_layer(batch, hidden,
+                                               batch.logits_indices if with_logits else None)
         for chunk in chunks:
             self.cache.set_length(chunk.seq_id, chunk.start_pos + len(chunk.token_ids))
         rows = h_out.index_select(0, batch.logits_indices)
         if not with_logits:
             return rows
-        return (self._draft_logits(rows) if logits is None else logits), rows
+        if logits is None:
+            return self._draft_logits(rows), rows, None
+        return logits, rows, picks
 
     def _run_layer(self, batch: ForwardBatch, hidden: torch.Tensor,
                    logits_rows: torch.Tensor | None = None):
         """The head's decoder layer over the ragged batch, its K/V written to the paged cache:
         (h_out [T, hidden], the draft logits of rows `logits_rows` when the packed layer
-        computes them in the same call, else None)."""
-        head = self.head
+        computes them in the same call, else None; and then, greedy, their picks [(col,
+        prob)], else None). The packed layer looks the tokens up itself when it has the
+        target's token table, and picks in the same call (`row_argmax`'s answer)."""
+        head, layer = self.head, self.packed_layer
+        if layer is not None:
+            inputs = batch.token_ids if layer.embed_table is not None \
+                else head.embed(batch.token_ids)  # [T] ids or [T, hidden]
+            pick = logits_rows is not None and self.config.temperature == 0.0
+            h_out, logits, cols, probs = layer(inputs, hidden, batch, self.cache.k[0],
+                                               self.cache.v[0], logits_rows, pick)
+            if logits_rows is None:
+                return h_out, None, None
+            return h_out, logits, list(zip(cols.tolist(), probs.tolist())) if pick else None
         embeds = head.embed(batch.token_ids)  # [T, hidden]
-        if self.packed_layer is not None:
-            h_out, logits = self.packed_layer(embeds, hidden, batch, self.cache.k[0],
-                                              self.cache.v[0], logits_rows)
-            return h_out, (logits if logits_rows is not None else None)
         q, k, v, residual = head.project_qkv(embeds, hidden.to(embeds.dtype))
         q = head.apply_rope(q, batch.positions)  # [T, H, hd]
         k = head.apply_rope(k, batch.positions)  # [T, KV, hd]
@@ -624,7 +653,7 @@ class FeatureDrafter(Speculator):
         attn = paged_attention(q.contiguous().float(), k_cache, v_cache, batch.block_tables,
                                batch.token_seq, batch.positions_i32(),
                                head.config.head_dim ** -0.5)  # [T, H, hd]
-        return head.finish(attn.reshape(attn.shape[0], -1), residual), None
+        return head.finish(attn.reshape(attn.shape[0], -1), residual), None, None
 
     def _draft_logits(self, h_out: torch.Tensor) -> torch.Tensor:
         """h_out [R, hidden] -> draft logits [R, draft_vocab], on the packed layer's kernels
@@ -636,10 +665,11 @@ class FeatureDrafter(Speculator):
     def _extend(self, chunks, out, by_id, grown):
         """Pick each sequence's next draft token from its newest entry's logits; the sequences
         still drafting get a draft entry (that token, fed the entry's hidden) after it."""
-        logits, h_rows = out
+        logits, h_rows, greedy = out
         next_chunks, next_inputs = [], []
         draws = [(by_id[c.seq_id].draws, len(grown[c.seq_id].ids)) for c in chunks]
-        for row, (chunk, (tok, prob, q)) in enumerate(zip(chunks, self._pick(logits, draws))):
+        for row, (chunk, (tok, prob, q)) in enumerate(zip(chunks,
+                                                          self._pick(logits, draws, greedy))):
             r, grow = by_id[chunk.seq_id], grown[chunk.seq_id]
             if not grow.offer(tok, prob, q, r.params, self.continuation):
                 continue
@@ -651,16 +681,18 @@ class FeatureDrafter(Speculator):
                 next_inputs.append(h_rows[row:row + 1])
         return next_chunks, next_inputs
 
-    def _pick(self, logits: torch.Tensor, draws: list[tuple[TargetDraws | None, int]]
+    def _pick(self, logits: torch.Tensor, draws: list[tuple[TargetDraws | None, int]],
+              greedy: list[tuple[int, float]] | None = None
               ) -> list[tuple[int, float, torch.Tensor | None]]:
         """logits [R, draft_vocab] -> per row (target token id, its draft probability, q over
         the target's vocabulary [vocab] when sampling). A row whose target samples (`draws`:
         how, and the draft position) draws with the target's filters and uniform there
         (`coupled.py`). Greedy: every row's argmax and its softmax probability in one native
         pass (per row, with a host read per scalar, ~70 us of a ~1.6 ms drafting round at c=1;
-        as four PyTorch ops, ~45 us for one row)."""
+        as four PyTorch ops, ~45 us for one row); `greedy`: those picks (column, probability)
+        when the head's native layer made them in its call."""
         if self._couples and any(d is not None for d, _ in draws):
-            picks = self._pick(logits, [(None, 0)] * len(draws)) \
+            picks = self._pick(logits, [(None, 0)] * len(draws), greedy) \
                 if any(d is None for d, _ in draws) else [None] * len(draws)
             for row, (d, position) in enumerate(draws):
                 if d is not None:
@@ -668,6 +700,8 @@ class FeatureDrafter(Speculator):
                     picks[row] = (self._draft_id_list[col], prob, None)
             return picks
         if self.config.temperature == 0.0:
+            if greedy is not None:
+                return [(self._draft_id_list[col], prob, None) for col, prob in greedy]
             cols, probs = row_argmax(logits.float().contiguous(), with_prob=True)  # [R], [R]
             return [(self._draft_id_list[col], prob, None)
                     for col, prob in zip(cols.tolist(), probs.tolist())]
@@ -681,9 +715,11 @@ class FeatureDrafter(Speculator):
 
 
 class TargetEmbedding:
-    """The target's (packed) token embedding with the `.embed(ids)` the head calls."""
+    """The target's (packed) token embedding with the `.embed(ids)` the head calls, and its
+    packed table (`table`, None when the target keeps none) for the head's native layer."""
 
-    __slots__ = ("embed",)
+    __slots__ = ("embed", "table")
 
     def __init__(self, target: TargetView):
         self.embed = target.embed
+        self.table = target.embed_table

@@ -12,7 +12,7 @@ def native(request) -> bool:
     return request.param == "native"
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 8, 15, 16, 17, 100, 13312, 49152])
+@pytest.mark.parametrize("vocab", [1, 7, 8, 15, 16, 17, 63, 64, 65, 96, 100, 13312, 49152])
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_index_is_torch_argmax_and_prob_its_softmax(vocab, rows, native):
     torch.manual_seed(vocab * 31 + rows)
@@ -36,6 +36,20 @@ def test_ties_nan_and_infinities_follow_torch(native):
     logits[4, 99] = 1.0  # the maximum in the scalar tail after the 8-lane part
     index, _ = row_argmax(logits, native=native)
     assert index.tolist() == logits.argmax(dim=-1).tolist() == [37, 50, 0, 3, 99]
+
+
+@pytest.mark.parametrize("vocab", [64, 97, 1000, 49152])
+def test_the_first_of_many_tied_maxima_wins(vocab, native):
+    """Rows of a few distinct values, so that the maximum recurs in every vector lane and
+    chain: the first one is torch.argmax's answer; and a maximum placed first in each of the
+    four 8-lane chains of a 32-element step (native), or in the tail, is found there."""
+    torch.manual_seed(vocab)
+    logits = torch.randint(0, 3, (16, vocab)).float()
+    assert torch.equal(row_argmax(logits, native=native)[0], logits.argmax(dim=-1))
+    for pos in (0, 8, 16, 24, 40, vocab - 1):
+        row = torch.zeros(1, vocab)
+        row[0, pos:] = 1.0  # the maximum from `pos` on: the first is `pos`
+        assert row_argmax(row, native=native)[0].item() == pos
 
 
 def test_a_row_is_picked_alike_alone_or_in_a_batch():

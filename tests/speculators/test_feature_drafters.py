@@ -598,6 +598,22 @@ def packed_layer_probe(engine, num_rows: int, seed: int):
     return probe, hidden, ids
 
 
+@contextlib.contextmanager
+def ragged_batch(cache, seq_id: int, ids: list[int], split: int, logits=(1, 1)):
+    """Sequences seq_id and seq_id + 2 of the head's cache holding ids[:split] and ids[split:]
+    from position 0, as one batch (`logits`: rows asking for logits per chunk); freed on exit."""
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+
+    cache.allocate(seq_id)
+    cache.allocate(seq_id + 2)
+    try:
+        yield build_forward_batch(cache, [SeqChunk(seq_id, 0, ids[:split], logits[0]),
+                                          SeqChunk(seq_id + 2, 0, ids[split:], logits[1])])
+    finally:
+        cache.free(seq_id)
+        cache.free(seq_id + 2)
+
+
 @torch.inference_mode()
 def test_packed_layer_equals_the_reference_maths(eagle_engine):
     """The head's layer on the target's fused kernels (`PackedEagle3Layer`) gives the outputs and
@@ -651,35 +667,74 @@ def test_one_native_call_equals_the_kernels_chained_from_python(eagle_engine):
     rows that draft: its outputs, K/V and logits are bit-identical to the same kernels called
     one by one from Python, on a ragged batch of two sequences; without logits rows it returns
     the same outputs and no logits."""
-    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
-
     probe, hidden, ids = packed_layer_probe(eagle_engine, 7, seed=1)  # 4 + 3 rows
     layer, cache = probe.packed_layer, probe.cache
     embeds = probe.head.embed(torch.tensor(ids))
     outs = {}
     for seq_id, how in ((10**6, "one call"), (10**6 + 1, "chained"), (10**6 + 4, "no logits")):
-        cache.allocate(seq_id)
-        cache.allocate(seq_id + 2)
-        try:
-            batch = build_forward_batch(cache, [SeqChunk(seq_id, 0, ids[:4], 1),
-                                                SeqChunk(seq_id + 2, 0, ids[4:], 2)])
+        with ragged_batch(cache, seq_id, ids, 4, logits=(1, 2)) as batch:
             k, v = cache.k[0], cache.v[0]
             if how == "chained":
                 h, logits = _chained_from_python(layer, embeds, hidden, batch, k, v)
             else:
                 rows = batch.logits_indices if how == "one call" else None
-                h, logits = layer(embeds, hidden, batch, k, v, rows)
+                h, logits, _, _ = layer(embeds, hidden, batch, k, v, rows)
             outs[how] = (h, logits, gather_k(k, batch.slot_mapping, cache.block_size),
                          gather_v(v, batch.slot_mapping))
-        finally:
-            cache.free(seq_id)
-            cache.free(seq_id + 2)
     assert outs["one call"][1].shape == (3, probe.head.config.draft_vocab_size)
     for got, ref in zip(outs["one call"], outs["chained"]):
         assert torch.equal(got, ref)
     assert outs["no logits"][1].shape[0] == 0
     assert torch.equal(outs["no logits"][0], outs["one call"][0])
     assert torch.equal(layer.logits(outs["one call"][0][[3, 5, 6]]), outs["one call"][1])
+
+
+@torch.inference_mode()
+def test_one_native_call_looks_up_fuses_and_picks_as_python_does(eagle_engine):
+    """Given token ids (the target's token table in the call), the captured features (`fc` in
+    the call) and `pick`, the native layer returns the bits of the unfused call fed the
+    embeddings and fused hidden it would get from Python, and each logits row's
+    `row_argmax(with_prob=True)`; the feature drafter hands it ids and raw features."""
+    from speculant.kernels.argmax import row_argmax
+
+    probe, _, ids = packed_layer_probe(eagle_engine, 7, seed=3)  # 4 + 3 rows
+    layer, cache, head = probe.packed_layer, probe.cache, probe.head
+    if layer.embed_table is None or layer.fc is None:
+        pytest.skip("the head's layer takes neither ids nor features (float table or fc)")
+    gen = torch.Generator().manual_seed(3)
+    raw = torch.randn(7, head.fc.in_features, generator=gen)  # [T, n_feat * d]
+    assert raw.shape[1] != layer.input_norm.shape[0]
+    assert probe._layer_hidden(raw) is raw  # the drafter leaves the fusion to the call
+    ids_t = torch.tensor(ids)
+    outs = {}
+    for seq_id, how in ((10**6, "fused"), (10**6 + 1, "python")):
+        with ragged_batch(cache, seq_id, ids, 4, logits=(1, 2)) as batch:
+            k, v = cache.k[0], cache.v[0]
+            if how == "fused":
+                h, logits, cols, probs = layer(ids_t, raw, batch, k, v, batch.logits_indices,
+                                               pick=True)
+            else:
+                h, logits, cols, probs = layer(head.embed(ids_t), head.fuse(raw), batch, k, v,
+                                               batch.logits_indices)
+                assert cols.numel() == 0 and probs.numel() == 0  # no pick asked
+                cols, probs = row_argmax(logits, with_prob=True)
+            outs[how] = (h, logits, cols, probs, gather_k(k, batch.slot_mapping, cache.block_size),
+                         gather_v(v, batch.slot_mapping))
+    assert outs["fused"][2].shape == (3,) and outs["fused"][2].dtype == torch.int64
+    for got, ref in zip(outs["fused"], outs["python"]):
+        assert torch.equal(got, ref)
+
+
+def test_the_native_layer_refuses_ids_it_cannot_embed(eagle_engine):
+    """Token ids of another dtype, or features of the wrong width, are refused naming the
+    problem, not read as something else."""
+    probe, hidden, ids = packed_layer_probe(eagle_engine, 3, seed=4)
+    layer, cache = probe.packed_layer, probe.cache
+    with ragged_batch(cache, 10**6, ids, 2) as batch:
+        with pytest.raises(RuntimeError, match="token ids must be int64"):
+            layer(torch.tensor(ids, dtype=torch.int32), hidden, batch, cache.k[0], cache.v[0])
+        with pytest.raises(RuntimeError, match="hidden must be"):
+            layer(torch.tensor(ids), hidden[:, :-8], batch, cache.k[0], cache.v[0])
 
 
 @torch.inference_mode()

@@ -47,11 +47,11 @@ TORCH_LIBRARY(speculant, m) {
       "int num_heads, float eps, float scale, Tensor? hidden_rows=None, Tensor? prompt_lens=None) "
       "-> (Tensor, Tensor[])");
   m.def(
-      "eagle3_layer(Tensor embeds, Tensor hidden, Tensor?[] weights, int[] qtypes, "
+      "eagle3_layer(Tensor inputs, Tensor hidden, Tensor?[] weights, int[] qtypes, "
       "int[] out_features, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
       "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor token_seq, "
-      "Tensor token_pos, Tensor? logits_rows, int num_heads, float eps, float scale) "
-      "-> (Tensor, Tensor)");
+      "Tensor token_pos, Tensor? logits_rows, int num_heads, float eps, float scale, "
+      "bool pick=False) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {

@@ -105,18 +105,22 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> decoder_stack(
     const std::optional<at::Tensor>& hidden_rows = std::nullopt,
     const std::optional<at::Tensor>& prompt_lens = std::nullopt);
 
-// An EAGLE-3 head's decoder layer on the operators above (head_layer.cpp): embeds and hidden
-// [T, hidden] -> the layer's output [T, hidden] (K/V written at slot_mapping), and the LM
-// head's logits [R, draft_vocab] of its rows logits_rows after the final norm ([0, draft_vocab]
-// without them). weights: 19 entries (see head_layer.cpp's Slot), qtypes and out_features: of
-// the qkv, output, gate/up, down and LM head matrices.
-std::tuple<at::Tensor, at::Tensor> eagle3_layer(
-    const at::Tensor& embeds, const at::Tensor& hidden,
+// An EAGLE-3 head's decoder layer on the operators above (head_layer.cpp): inputs (token ids
+// [T] int64, embedded with the token table of `weights`, or their embeddings [T, hidden]) and
+// hidden ([T, hidden], or the captured features [T, n * hidden] that fc fuses first) -> the
+// layer's output [T, hidden] (K/V written at slot_mapping), the LM head's logits [R,
+// draft_vocab] of its rows logits_rows after the final norm ([0, draft_vocab] without them),
+// and with `pick` each logits row's argmax [R] int64 and its softmax probability [R] (else
+// empty). weights: 25 entries (see head_layer.cpp's Slot; the token table's and fc's may be
+// absent), qtypes and out_features: of the qkv, output, gate/up, down, LM head, token table and
+// fc matrices (an absent one's entries are not read).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> eagle3_layer(
+    const at::Tensor& inputs, const at::Tensor& hidden,
     const c10::List<std::optional<at::Tensor>>& weights, at::IntArrayRef qtypes,
     at::IntArrayRef out_features, const at::Tensor& cos, const at::Tensor& sin,
     const at::Tensor& positions, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& token_seq,
     const at::Tensor& token_pos, const std::optional<at::Tensor>& logits_rows, int64_t num_heads,
-    double eps, double scale);
+    double eps, double scale, bool pick);
 
 }  // namespace speculant
