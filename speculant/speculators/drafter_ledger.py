@@ -12,8 +12,8 @@ worth of plain decoding time,
 - *cost*: every second of its calls (shadow drafts, catch-up, first reads included) and of its
   `process` calls, and the rows of its verified drafts at the step-cost model's row price.
 
-A window that cost at least MIN_COST_TOKENS and gained less than LOSS_SHARE of it sends the
-drafter to *rest* in that bucket for FIRST_REST rounds, REST_GROWTH times longer after each
+A window that cost at least MIN_COST_TOKENS and gained less than LOSS_SHARE of it (all of it
+from WIDE_BUCKET sequences on) sends the drafter to *rest* in that bucket for FIRST_REST rounds, REST_GROWTH times longer after each
 further losing window (up to MAX_REST), back to FIRST_REST after a window that did not lose. A
 resting drafter is not asked at all (no pricing, no shadow drafts), and its sequences are told
 to `rest` (a feature drafter then keeps no target features for them and the target captures
@@ -58,6 +58,16 @@ MIN_COST_TOKENS = 4.0  # a window that cost less is no evidence either way (hard
 # and 16 qa prompts its least gaining windows there gained 0.62-0.93 of their cost; at c=8,
 # where it loses, windows gained 0 to 3 tokens for 13 to 22 (0-0.2 of their cost).
 LOSS_SHARE = 0.4
+# From this many decoding sequences on, a window loses when it gained less than it cost
+# (WIDE_LOSS_SHARE): there a head rarely pays (`eagle3` alone at c=8 read 0.96-0.98x plain on
+# every chat category on an AMX Xeon) and the books miss part of what drafting costs (the
+# chain's pricing around the calls, the features kept for eight sequences), so windows the
+# books call nearly even are losses. Measured (2026-12-06, the Xeon, math_reasoning at c=8): a
+# first window in bucket 8 booked 48 tokens gained for 50.6 of cost and was not rested at 0.4;
+# in one bench run the head went on drafting (2,315 drafts, 73% accepted, 27% fewer steps than
+# plain) at 0.89x plain.
+WIDE_BUCKET = 4
+WIDE_LOSS_SHARE = 1.0
 FIRST_REST = 64  # rounds a drafter rests after a losing window ...
 # ... this many times longer after each further losing window, up to MAX_REST rounds (each
 # trial of a losing drafter costs a window of its losses: `eagle3` at c=8 on mt_bench read
@@ -77,6 +87,11 @@ class LedgerAccount:
     next_rest: int = FIRST_REST  # the rest a losing window brings next
     num_rests: int = 0  # rests so far
     num_rounds_rested: int = 0
+
+
+def loss_share_of(bucket: int) -> float:
+    """The share of its cost a model drafter's window must gain in `bucket` not to lose."""
+    return LOSS_SHARE if bucket < WIDE_BUCKET else WIDE_LOSS_SHARE
 
 
 class DrafterLedger:
@@ -101,10 +116,13 @@ class DrafterLedger:
                 acct.num_rests = 1
         return acct
 
-    def resting(self, name: str, bucket: int, loss_share: float = LOSS_SHARE) -> bool:
+    def resting(self, name: str, bucket: int, loss_share: float | None = None) -> bool:
         """A draft round of `bucket` starts: whether `name` rests through it (counted down) or
         is asked (the round joins its window, which may end here in a verdict: one that gained
-        less than `loss_share` of its cost starts a rest at this round)."""
+        less than `loss_share` of its cost, by default `loss_share_of(bucket)`, starts a rest
+        at this round)."""
+        if loss_share is None:
+            loss_share = loss_share_of(bucket)
         acct = self.account(name, bucket)
         if acct.rest_left > 0:
             acct.rest_left -= 1

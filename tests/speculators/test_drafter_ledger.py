@@ -3,9 +3,12 @@ concurrency bucket; one that pays never rests; the chain stops asking a resting 
 tells its sequences to rest, then wakes them for the trial."""
 from speculant.speculators.base import CommittedTokens, Draft, DraftParams, DraftRequest, Speculator
 from speculant.speculators.chain import SpeculatorChain
+import pytest
+
 from speculant.speculators.drafter_ledger import (FIRST_REST, LOSS_SHARE, MAX_REST,
-                                                  MIN_COST_TOKENS, REST_GROWTH, WINDOW_ROUNDS,
-                                                  DrafterLedger)
+                                                  MIN_COST_TOKENS, REST_GROWTH, WIDE_BUCKET,
+                                                  WIDE_LOSS_SHARE, WINDOW_ROUNDS, DrafterLedger,
+                                                  loss_share_of)
 from speculant.speculators.model_free_rest import (MODEL_FREE, MODEL_FREE_MIN_BUCKET,
                                                    MODEL_FREE_PROBE_EVERY)
 
@@ -54,12 +57,29 @@ def test_a_losing_drafter_rests_longer_after_each_losing_window_and_is_tried_aga
     assert rest_length(ledger) == FIRST_REST
 
 
-def test_a_window_gaining_more_than_its_loss_share_does_not_rest():
+@pytest.mark.parametrize("bucket, share", [(1, LOSS_SHARE), (2, LOSS_SHARE),
+                                           (WIDE_BUCKET, WIDE_LOSS_SHARE), (8, WIDE_LOSS_SHARE)])
+def test_a_window_gaining_more_than_its_loss_share_does_not_rest(bucket, share):
+    """Alone or nearly (noisy windows of a head that usually pays) a window may gain less
+    than it cost; from WIDE_BUCKET sequences on it must gain what it cost."""
+    assert loss_share_of(bucket) == share
     ledger = DrafterLedger()
-    _, rests = run_window(ledger, gain_per_round=(LOSS_SHARE + 0.05), cost_per_round=1.0)
+    _, rests = run_window(ledger, gain_per_round=(share + 0.05), cost_per_round=1.0,
+                          bucket=bucket)
     assert not rests
-    _, rests = run_window(ledger, gain_per_round=(LOSS_SHARE - 0.05), cost_per_round=1.0)
+    _, rests = run_window(ledger, gain_per_round=(share - 0.05), cost_per_round=1.0,
+                          bucket=bucket)
     assert rests
+
+
+def test_an_explicit_loss_share_overrides_the_buckets():
+    ledger = DrafterLedger()
+    for _ in range(WINDOW_ROUNDS):
+        if ledger.resting("m", 8, loss_share=0.4):
+            break
+        ledger.charge("m", 8, 1.0)
+        ledger.credit("m", 8, 0.6)
+    assert ledger.account("m", 8).rest_left == 0  # 0.6 of its cost: not lost at 0.4
 
 
 def test_a_window_without_enough_cost_is_no_evidence():
