@@ -700,11 +700,10 @@ class FeatureDrafter(Speculator):
                     picks[row] = (self._draft_id_list[col], prob, None)
             return picks
         if self.config.temperature == 0.0:
-            if greedy is not None:
-                return [(self._draft_id_list[col], prob, None) for col, prob in greedy]
-            cols, probs = row_argmax(logits.float().contiguous(), with_prob=True)  # [R], [R]
-            return [(self._draft_id_list[col], prob, None)
-                    for col, prob in zip(cols.tolist(), probs.tolist())]
+            if greedy is None:
+                cols, probs = row_argmax(logits.float().contiguous(), with_prob=True)  # [R], [R]
+                greedy = zip(cols.tolist(), probs.tolist())
+            return [(self._draft_id_list[col], prob, None) for col, prob in greedy]
         picks = []
         for row in logits:
             probs = torch.softmax(row.float() / self.config.temperature, dim=-1)
