@@ -351,6 +351,7 @@ class Engine:
         try:
             batch = build_forward_batch(self.cache, chunks, self.model.device,
                                         self._step_layers(step, chunks))
+            batch.greedy_picks = self._picks_greedily(step)
             out = (self.state_rounds.forward(batch, chunks, set(drafts))
                    if self.state_rounds else self.model.forward(batch, self.cache))
         except Exception:  # a failed forward fails its sequences, never the engine
@@ -468,7 +469,7 @@ class Engine:
     def _commit(self, step, chunks: list[SeqChunk], drafts: dict[int, Draft], out,
                 batch) -> list[StepUpdate]:
         logits, cu_num_logits = out.logits, batch.cu_num_logits
-        argmax = self._batched_argmax(step, logits)
+        argmax = self._batched_argmax(batch, out)
         updates, committed = [], []
         features = StepFeatures(out.hidden_states) if out.hidden_states else None
         seqs = [s for s, _ in step.prefill] + step.decode
@@ -538,12 +539,21 @@ class Engine:
         for i in seq.capture_layers:  # all of the chunk's rows were captured for these
             seq.captured[i].append(features.by_layer[i][rows].clone())
 
-    def _batched_argmax(self, step, logits: torch.Tensor) -> list[int] | None:
-        """Argmax of every logits row in one op and one host sync, when greedy rows need it
-        (native on the CPU: torch.argmax took 0.8 ms of a c=8 verification step's 20 rows)."""
-        needs = any(_fast_greedy(s.params) for s, _ in step.prefill) or any(
+    @staticmethod
+    def _picks_greedily(step) -> bool:
+        """Whether some sequence of the step takes the argmax of its logits rows."""
+        return any(_fast_greedy(s.params) for s, _ in step.prefill) or any(
             _fast_greedy(s.params) for s in step.decode)
-        return row_argmax(logits)[0].tolist() if needs and logits.shape[0] else None
+
+    @staticmethod
+    def _batched_argmax(batch, out) -> list[int] | None:
+        """Argmax of every logits row with one host sync, when greedy rows need it: as the
+        model's LM head found it while writing the logits (`ForwardOutput.argmax`), else in one
+        op (native on the CPU: torch.argmax took 0.8 ms of a c=8 verification step's 20 rows)."""
+        if not batch.greedy_picks or out.logits.shape[0] == 0:
+            return None
+        argmax = out.argmax if out.argmax is not None else row_argmax(out.logits)[0]
+        return argmax.tolist()
 
     def _verify(self, seq: Sequence, logits: torch.Tensor, argmax: list[int] | None,
                 draft: Draft | None) -> VerifyResult:

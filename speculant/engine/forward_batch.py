@@ -44,6 +44,9 @@ class ForwardBatch:
     prompt_lens: torch.Tensor | None = None
     # [T] int32 `positions`, the attention kernels' index type (None: cast `positions`)
     token_pos: torch.Tensor | None = None
+    # the model returns each logits row's argmax with the logits (`ForwardOutput.argmax`),
+    # found as its LM head writes them: some row is picked greedily
+    greedy_picks: bool = False
 
     def positions_i32(self) -> torch.Tensor:
         """`positions` as int32 [T] (built with the batch; a cast for one built by hand)."""

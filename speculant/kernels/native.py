@@ -240,6 +240,10 @@ def _register_fakes() -> None:
     def _(x, weight, scales, mins, qtype, out_features):
         return x.new_empty(x.shape[0], out_features)
 
+    @torch.library.register_fake("speculant::packed_linear_argmax")
+    def _(x, weight, scales, mins, qtype, out_features):
+        return x.new_empty(x.shape[0], out_features), x.new_empty(x.shape[0], dtype=torch.int64)
+
     @torch.library.register_fake("speculant::packed_embed")
     def _(ids, weight, scales, mins, qtype, out_features):
         in_features = weight.shape[1] * (1 if qtype in ("F32", "F16") else 32)

@@ -133,6 +133,18 @@ class PackedLinear:
             out = self._fallback(x2.float())
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def with_argmax(self, x: torch.Tensor, *, native: bool | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [M, in] float32 -> (out [M, out] as __call__ gives it, each row's argmax [M] int64
+        as torch.argmax gives it, or None off the native path). Natively the argmax is found as
+        the rows are written (csrc/linear.cpp `RowArgmax`), not in a second pass over them: the
+        LM head's greedy picks."""
+        op = self._native_op(native)
+        if op is None or x.dim() != 2:
+            return self(x, native=native), None
+        return torch.ops.speculant.packed_linear_argmax.default(
+            x, self.data, self.scales, self.mins, self.qtype, self.out_features)
+
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32, bit-identical to gguf.quants.dequantize of the original blocks."""
         return self._dequantize_groups(0, self.data.shape[0])[: self.out_features]

@@ -28,6 +28,7 @@ class HybridOutput:
     # layer -> [H, hidden] its output (pre-norm) at rows batch.hidden_rows (all T rows if None)
     hidden_states: dict[int, torch.Tensor]
     step_states: dict[int, StepStates]  # seq_id -> state after each row (keep_steps chunks only)
+    argmax: torch.Tensor | None = None  # [R] each logits row's argmax (ForwardOutput.argmax)
 
 
 @dataclass(slots=True)
@@ -103,5 +104,8 @@ class HybridModel:
             if i in wanted:
                 hidden[i] = h if batch.hidden_rows is None else h.index_select(0, batch.hidden_rows)
         x = rms_norm(h.index_select(0, batch.logits_indices), self.final_norm, c.rms_norm_eps)
+        if batch.greedy_picks:
+            logits, argmax = self.lm_head.with_argmax(x)
+            return HybridOutput(logits, hidden, run.steps, argmax)
         return HybridOutput(self.lm_head(x), hidden, run.steps)
 

@@ -26,6 +26,9 @@ class ForwardOutput:
     logits: torch.Tensor  # [R, vocab_size] fp32, rows = batch.logits_indices
     # layer -> [H, hidden] its output (pre-norm) at rows batch.hidden_rows (all T rows if None)
     hidden_states: dict[int, torch.Tensor]
+    # [R] int64 each logits row's argmax, when batch.greedy_picks asked and the native LM head
+    # ran (else None: the caller takes the argmax of `logits`)
+    argmax: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -144,8 +147,11 @@ class Model:
             hidden = dict(zip(wanted, states))
         else:
             x, hidden = self._layers(h, batch, cache, token_pos, set(wanted))
-        logits = self.lm_head(x.index_select(0, batch.logits_indices), native=self._native)
-        return ForwardOutput(logits=logits, hidden_states=hidden)
+        rows = x.index_select(0, batch.logits_indices)  # [R, hidden]
+        if batch.greedy_picks:
+            logits, argmax = self.lm_head.with_argmax(rows, native=self._native)
+            return ForwardOutput(logits=logits, hidden_states=hidden, argmax=argmax)
+        return ForwardOutput(logits=self.lm_head(rows, native=self._native), hidden_states=hidden)
 
     def _layers(self, h, batch: ForwardBatch, cache: KVCache, token_pos, wanted: set[int]):
         # The layers op by op (what decoder_stack does natively): returns the final-normed

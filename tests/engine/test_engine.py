@@ -179,3 +179,28 @@ def test_reset_stats_forgets_the_fitted_step_cost(default_engine):
     assert default_engine.cost.num_observations > 0
     default_engine.reset_stats()
     assert default_engine.cost == StepCostModel()
+
+
+def test_greedy_steps_take_the_lm_heads_own_picks(default_engine):
+    """A step with greedy rows gets each logits row's argmax from the model's LM head (found as
+    it writes them: none off the native path), equal to torch.argmax of the logits; a step
+    whose rows all sample asks for none."""
+    from speculant.engine.forward_batch import SeqChunk, build_forward_batch
+    from speculant.kernels import native_available
+
+    engine, seq_id = default_engine, 10_000
+    engine.cache.allocate(seq_id)
+    try:
+        prompt = engine.tokenizer.encode("The capital of France is")
+        batch = build_forward_batch(engine.cache, [SeqChunk(seq_id, 0, prompt, 3)])
+        batch.greedy_picks = True
+        out = engine.model.forward(batch, engine.cache)
+        if native_available():
+            assert torch.equal(out.argmax, out.logits.argmax(dim=-1))
+        else:
+            assert out.argmax is None
+        assert engine._batched_argmax(batch, out) == out.logits.argmax(dim=-1).tolist()
+        batch.greedy_picks = False
+        assert engine._batched_argmax(batch, out) is None
+    finally:
+        engine.cache.free(seq_id)

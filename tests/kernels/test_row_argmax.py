@@ -77,3 +77,57 @@ def test_other_dtypes_and_layouts_take_the_pytorch_path():
 def test_bad_shapes_are_refused_by_name(shape):
     with pytest.raises(ValueError, match=r"row_argmax: logits must be \[rows, vocab\]"):
         row_argmax(torch.zeros(shape))
+
+
+# ---- the LM head's picks, found as its rows are written (PackedLinear.with_argmax) -----------
+
+def _lm_head(qtype: str, out_features: int, in_features: int = 128, seed: int = 0):
+    from speculant.kernels.packed_linear import PackedLinear
+
+    torch.manual_seed(seed)
+    w = torch.randn(out_features, in_features)
+    w[out_features // 2] = w[1]  # equal rows: exactly tied outputs in two far apart chunks
+    w[out_features - 1] = w[1]
+    return PackedLinear.from_float(w, qtype), w
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "F32"])
+@pytest.mark.parametrize("rows", [1, 3, 9, 130])
+def test_lm_head_picks_are_torch_argmax_of_its_logits(qtype, rows):
+    """with_argmax: the logits __call__ gives, bit for bit, and each row's torch.argmax of
+    them, whatever the rows (130: two passes of rows) and with ties across chunks of columns."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    lm, w = _lm_head(qtype, 2051)  # not a multiple of 8: a partial last group
+    x = torch.randn(rows, 128)
+    x[-1] = 4 * w[1]  # columns 1, 1025 and 2050 tie at the maximum: 1 wins
+    x[0] = 0.0  # every logit 0: all tied, the first column wins
+    logits, index = lm.with_argmax(x)
+    assert torch.equal(logits, lm(x)) and index.dtype == torch.int64
+    assert torch.equal(index, logits.argmax(dim=-1))
+    assert index[0].item() == 0
+    if rows > 1:
+        assert logits[-1, 1] == logits[-1, 1025] == logits[-1, 2050] == logits[-1].max()
+        assert index[-1].item() == 1
+
+
+def test_lm_head_picks_the_first_nan_as_torch():
+    """A column whose weights hold a NaN is NaN in every row: the pick, as torch.argmax's."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    from speculant.kernels.packed_linear import PackedLinear
+
+    torch.manual_seed(1)
+    w = torch.randn(1000, 64)
+    w[700, 5] = float("nan")
+    w[900, 0] = float("nan")
+    lm = PackedLinear.from_float(w, "F32")
+    logits, index = lm.with_argmax(torch.randn(4, 64))
+    assert index.tolist() == logits.argmax(dim=-1).tolist() == [700] * 4
+
+
+def test_lm_head_picks_fall_back_to_none_off_the_native_path():
+    lm, _ = _lm_head("Q8_0", 40)
+    x = torch.randn(2, 128)
+    logits, index = lm.with_argmax(x, native=False)
+    assert index is None and torch.equal(logits, lm(x, native=False))

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "argmax.h"
 #include "ops.h"
 #include "pool.h"
 #include "simd.h"
@@ -22,6 +23,8 @@ int64_t first_nan(const float* x, int64_t n) {
   }
   return -1;
 }
+
+}  // namespace
 
 // Index of the first maximum of x[0..n) (the first NaN if any); *max_out its value.
 //
@@ -86,6 +89,8 @@ int64_t argmax_row(const float* x, int64_t n, float* max_out) {
   *max_out = m;
   return best;
 }
+
+namespace {
 
 // softmax(x)[argmax] = 1 / sum(exp(x - max)): four 8-lane sums over 32-element steps, then
 // 8-element steps into the first, then the scalar tail (one order for a given n).

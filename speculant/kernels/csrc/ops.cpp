@@ -11,6 +11,9 @@ TORCH_LIBRARY(speculant, m) {
       "packed_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? mins, str qtype, "
       "int out_features) -> Tensor");
   m.def(
+      "packed_linear_argmax(Tensor x, Tensor weight, Tensor? scales, Tensor? mins, str qtype, "
+      "int out_features) -> (Tensor, Tensor)");
+  m.def(
       "packed_embed(Tensor ids, Tensor weight, Tensor? scales, Tensor? mins, str qtype, "
       "int out_features) -> Tensor");
   m.def(
@@ -56,6 +59,7 @@ TORCH_LIBRARY(speculant, m) {
 
 TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("packed_linear", &speculant::packed_linear);
+  m.impl("packed_linear_argmax", &speculant::packed_linear_argmax);
   m.impl("packed_embed", &speculant::packed_embed);
   m.impl("paged_attention", &speculant::paged_attention);
   m.impl("rms_norm", &speculant::rms_norm);

@@ -41,6 +41,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& mins, std::string_view qtype,
                          int64_t out_features);
 
+// packed_linear, and each output row's argmax [M] int64 (torch.argmax's answer) found as the row
+// is written: the LM head's logits and greedy picks in one call.
+std::tuple<at::Tensor, at::Tensor> packed_linear_argmax(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
+    const std::optional<at::Tensor>& mins, std::string_view qtype, int64_t out_features);
+
 // Each row's argmax (torch.argmax's: first maximum, first NaN) as int64 [R], and with
 // `with_prob` the softmax probability of that entry [R] (else an empty tensor) (argmax.cpp).
 std::tuple<at::Tensor, at::Tensor> row_argmax(const at::Tensor& logits, bool with_prob);
