@@ -229,14 +229,15 @@ class Engine:
         self._tuner_pulled = False
         if self.tuner is None or not step.decode:
             return None
-        if self.chain.decides_drafting([s.spec_types for s in step.decode], len(step.decode)):
+        alone = step.decode[0].seq_id if len(step.decode) == 1 else None
+        if self.chain.decides_drafting([s.spec_types for s in step.decode], len(step.decode),
+                                       solo=alone):
             if not step.prefill:
                 self.tuner.leave_to_chain(len(step.decode))
             return None
         if step.prefill:
             return self.tuner.best(len(step.decode))
         self._tuner_pulled = True
-        alone = step.decode[0].seq_id if len(step.decode) == 1 else None
         return self.tuner.choose(len(step.decode), alone=alone)
 
     def _n_max(self, params: SamplingParams) -> int:

@@ -558,8 +558,9 @@ class SpecTuner:
     def leave_to_chain(self, num_decoding: int) -> None:
         """A decode step of `num_decoding` sequences whose drafting the chain decides itself,
         so the tuner neither chooses nor scores it: counted per bucket (`summary`). That is
-        where every speculator asked is model-free and their ledger account books the
-        concurrency (speculators/model_free_rest.py): it rests them where their drafts lose,
+        where every speculator asked is a model drafter the chain's ledger rests through the
+        step, or model-free with their ledger account booking the concurrency
+        (`SpeculatorChain.decides_drafting`; speculators/model_free_rest.py): it rests them where their drafts lose,
         still drafting every 8th round and following copies per sequence, while the tuner's
         plain arm kept them following the text and shadow-drafting, and bet on noisy paired
         steps: on 20 mt_bench prompts at c=8 (Intel Xeon with AMX, 2 threads, in-process

@@ -406,15 +406,37 @@ class SpeculatorChain:
                                 for r in requests for name in self._seqs[r.seq_id].types)
         return self.model_free.mode(bucket, enabled, asked)
 
-    def decides_drafting(self, types_per_seq: list[tuple[str, ...]], num_decoding: int) -> bool:
+    def decides_drafting(self, types_per_seq: list[tuple[str, ...]], num_decoding: int,
+                         solo: int | None = None) -> bool:
         """Whether the chain itself decides whether drafting pays for a step of `num_decoding`
-        decoding sequences using the speculators `types_per_seq` (per sequence): all of them
-        model-free, their account booking this concurrency (model_free_rest.py). The engine's
-        tuner then leaves the step alone (`SpecTuner.leave_to_chain`)."""
+        decoding sequences using the speculators `types_per_seq` (per sequence; `solo`: the
+        sequence's id when one decodes alone). The engine's tuner then leaves the step alone
+        (`SpecTuner.leave_to_chain`). So it does where each of them is model-free with their
+        account booking this concurrency (model_free_rest.py), or a model drafter the ledger
+        rests through the step: the tuner scoring those steps measured drafting that the
+        ledger had switched off. (On 13 code_edit prompts at c=8, where the 4-layer draft reads
+        1.55x plain, a 64-round rest in bucket 8 read to the tuner as drafting that gains
+        nothing, and it switched to plain for the rest of the run: 1.04x; Intel Xeon with
+        AMX, issue 18's command, 2026-12-06 17:10 UTC.)"""
         names = {name for types in types_per_seq for name in types}
-        return bool(names) and self._rests_losers() \
-            and self.ledger.bucket(num_decoding) >= MODEL_FREE_MIN_BUCKET \
-            and not any(self.speculators[name].is_model_based for name in names)
+        if not names or not self._rests_losers():
+            return False
+        bucket = self.ledger.bucket(num_decoding)
+        for name in names:
+            if not self.speculators[name].is_model_based:
+                if bucket < MODEL_FREE_MIN_BUCKET:
+                    return False
+            elif not self._ledger_rests(name, bucket, solo):
+                return False
+        return True
+
+    def _ledger_rests(self, name: str, bucket: int, solo: int | None) -> bool:
+        """Whether model drafter `name` rests through the next round of `bucket` (`solo`: the
+        sequence decoding alone, whose bucket-1 record starts over when it is a new one:
+        `_ledger_bucket`)."""
+        if bucket == 1 and solo != self._solo_seq:
+            return False
+        return self.ledger.account(name, bucket).rest_left > 0
 
     def _rests_through(self, name: str, bucket: int) -> bool:
         """Whether speculator `name` is not asked at all in the next round of `bucket`: a model

@@ -698,3 +698,28 @@ def test_probes_are_scored_against_the_incumbents_steps_before_and_after_them():
     assert summary["n_max"] == 16 and summary["num_switches_off"] == 0
     assert summary["speedup"]["16"] == pytest.approx(2.0, rel=0.1)
     assert num_plain <= 12
+
+
+def test_steps_where_the_ledger_rests_the_model_drafter_are_left_to_the_chain(default_engine):
+    """While the chain's ledger rests the only (model) drafter asked, the chain decodes those
+    steps plain and the tuner neither chooses nor scores them: scored, they read as drafting
+    that gains nothing and switched a paying draft off for the run. Output stays plain's."""
+    engine = Engine(model="default", spec_type=["eagle3"], spec_tune=True,
+                    num_threads=TEST_THREADS, kv_cache_tokens=8192)
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+               for text in ("Name three colours.", "Count from one to ten in words.",
+                            "Say hello in French.", "What is two plus two?")]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine.chain.ledger.account("eagle3", 4).rest_left = 10_000  # resting all run long
+    chosen = []
+    choose = engine.tuner.choose
+    engine.tuner.choose = lambda num_decoding, alone=None: chosen.append(num_decoding) or \
+        choose(num_decoding, alone=alone)
+    tuned = engine.run_to_completion(prompts, params)
+    summary = engine.status().tuner
+    assert summary["4"]["steps_left_to_chain"] >= 10 and summary["4"]["steps"] == 0
+    assert 4 not in chosen and 3 not in chosen  # 3 and 4 decoding sequences: bucket 4
+    assert summary["4"]["num_switches_off"] == 0
+    plain = engine.run_to_completion(prompts, SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, spec=SpecParams(enabled=False)))
+    assert [s.output_ids for s in tuned] == [s.output_ids for s in plain]

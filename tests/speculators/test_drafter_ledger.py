@@ -389,3 +389,28 @@ def test_the_chain_decides_drafting_itself_only_where_its_model_free_account_boo
     assert not chain.decides_drafting([()] * 8, 8)  # nothing asked
     off = SpeculatorChain([CopyDrafter(clock, 0.0, True)], clock=clock, rest_losers=False)
     assert not off.decides_drafting([copy] * 8, 8)
+
+
+def test_the_chain_decides_drafting_while_the_ledger_rests_its_model_drafters():
+    """While the ledger rests every model drafter asked, the chain decides the step (plain, or
+    its model-free drafts where their account books), not the engine's tuner; at concurrency 1
+    only for the sequence the rest was booked for (a new request starts bucket 1 over)."""
+    clock = Clock()
+    chain = SpeculatorChain([CopyDrafter(clock, 0.0, True),
+                             CountingDrafter(clock, 0.0, True)], clock=clock)
+    copy, model = ("copy",), ("model",)
+    assert not chain.decides_drafting([model] * 8, 8)
+    chain.ledger.account("model", 8).rest_left = 10
+    assert chain.decides_drafting([model] * 8, 8)
+    assert chain.decides_drafting([("copy", "model")] * 8, 8)  # model-free ones book at 8
+    assert not chain.decides_drafting([model] * 2, 2)  # bucket 2 does not rest
+    chain.ledger.account("model", 2).rest_left = 10
+    assert chain.decides_drafting([model] * 2, 2)
+    assert not chain.decides_drafting([("copy", "model")] * 2, 2)  # model-free below 4: tuner
+    chain.resting_round([(7, model)])  # sequence 7 decodes alone: bucket 1 is its record
+    chain.ledger.account("model", 1).rest_left = 10
+    assert chain.decides_drafting([model], 1, solo=7)
+    assert not chain.decides_drafting([model], 1, solo=8)  # a new request: its own record
+    off = SpeculatorChain([CountingDrafter(clock, 0.0, True)], clock=clock, rest_losers=False)
+    off.ledger.account("model", 8).rest_left = 10
+    assert not off.decides_drafting([model] * 8, 8)
