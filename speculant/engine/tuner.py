@@ -563,9 +563,10 @@ class SpecTuner:
         (`SpeculatorChain.decides_drafting`; speculators/model_free_rest.py). The model-free
         account rests them where their drafts lose, still drafting every 8th round and
         following copies per sequence, while the tuner's plain arm kept them following the
-        text and shadow-drafting, and bet on noisy paired steps: on 20 mt_bench prompts at c=8 (Intel Xeon with AMX, 2 threads, in-process
-        interleaved, 2 repeats) `ngram_mod,suffix` read 0.998x plain untuned and 0.964x tuned,
-        the tuner having switched to plain."""
+        text and shadow-drafting, and bet on noisy paired steps: on 20 mt_bench prompts at
+        c=8 (Intel Xeon with AMX, 2 threads, in-process interleaved, 2 repeats)
+        `ngram_mod,suffix` read 0.998x plain untuned and 0.964x tuned, the tuner having
+        switched to plain."""
         bound = concurrency_bucket(num_decoding)
         self._left_to_chain[bound] = self._left_to_chain.get(bound, 0) + 1
 
