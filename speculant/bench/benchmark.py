@@ -2,6 +2,7 @@
 
     speculant bench [--prompts FILE.jsonl [--categories a,b] [--limit N]]
                     [--spec-type "a,b;c"] [--concurrency 1,8] [--max-tokens N] [--repeats R]
+                    [--min-seconds S] [--max-repeats N]
                     [--no-interleave | --interleave-seconds S]
                     [--compare hf[,openai=URL]] [--record FILE] [--out-dir DIR]
     speculant bench --replay RECORDS.jsonl --spec-type "a,b;c"      (no model: bench/replay.py)
@@ -25,7 +26,8 @@ import time
 from dataclasses import dataclass
 
 from speculant.bench.options import (PeerSpec, check_args, is_tuned, merge_spec_options,
-                                     parse_compare, parse_levels, parse_method_specs)
+                                     parse_compare, parse_levels, parse_method_specs,
+                                     wants_another_repeat)
 from speculant.bench.report import PLAIN, RunResult, emit_report, now_iso, paired_speedup
 from speculant.speculators.counters import total
 
@@ -174,14 +176,19 @@ def _warm_up(engines: dict, args, methods, groups) -> None:
 
 def _measure_all(engines: dict, args, methods, groups, levels, threads):
     """Every category x concurrency x repeat x method; returns the results and plain's runs at
-    the first level (for --record)."""
+    the first level (for --record). A cell runs --repeats times, then again while plain's
+    decoding in it has been timed for less than --min-seconds (up to --max-repeats)."""
     results, plain_runs = [], {}
     bar = _progress(None, "bench", "run",
                     total=len(groups) * len(levels) * args.repeats * len(methods))
     for category, prompts in groups.items():
         for level in levels:
             runs = {name: [] for name, _ in methods}
-            for repeat in range(args.repeats):
+            while wants_another_repeat([r.stats.decode_time_s for r in runs[PLAIN]],
+                                       args.repeats, args.min_seconds, args.max_repeats):
+                repeat = len(runs[PLAIN])
+                if repeat >= args.repeats:  # a repeat that --min-seconds adds
+                    bar.total += len(methods)
                 if args.interleave:
                     bar.set_postfix_str(f"{category} c={level} all methods")
                     for name, run in _interleaved_run(engines, args, methods, prompts, level,
@@ -348,6 +355,7 @@ def _meta(args, engine, date: str, levels, methods, threads: int) -> dict:
     return {"date": date, "machine": machine_info(threads), "model": engine.model_path,
             "dtype": engine.config.dtype, "kv_dtype": engine.config.kv_dtype,
             "max_tokens": args.max_tokens, "concurrency": levels, "repeats": args.repeats,
+            "min_seconds": args.min_seconds, "max_repeats": args.max_repeats,
             "sampling": {"temperature": args.temperature, "top_k": args.top_k,
                          "top_p": args.top_p, "min_p": args.min_p, "verify": args.verify},
             "interleave_s": args.interleave_seconds if args.interleave else None,

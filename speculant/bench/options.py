@@ -9,6 +9,13 @@ from speculant.bench.interleave import DEFAULT_TURN_SECONDS
 from speculant.bench.report import PLAIN, TUNED_SUFFIX
 from speculant.engine.sampling_params import VERIFY_MODES
 
+# A cell whose plain run took a few seconds is mostly noise on a shared 2-core VM: qa at c=8 (20
+# prompts, 2.2 s of decoding per method, interleaved with the 4-layer draft) read 0.915x, 0.95x,
+# 0.97x and 0.98x in four runs in a row (Intel Xeon with AMX, 2026-12-06), its five repeats in
+# one run 0.958-1.024x. So short cells are repeated until plain was timed for this long.
+DEFAULT_MIN_SECONDS = 8.0
+DEFAULT_MAX_REPEATS = 5
+
 
 def add_bench_args(p) -> None:
     g = p.add_argument_group("bench")
@@ -17,7 +24,14 @@ def add_bench_args(p) -> None:
     g.add_argument("--limit", type=int, default=None, help="prompts per category")
     g.add_argument("--concurrency", default="1,8", help="comma-separated concurrency levels")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
-    g.add_argument("--repeats", type=int, default=1, help="repeats per measurement (median shown)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="least repeats per measurement (median shown; see --min-seconds)")
+    g.add_argument("--min-seconds", type=float, default=DEFAULT_MIN_SECONDS, metavar="S",
+                   help="repeat a category x concurrency cell until plain decoding was timed for "
+                        "at least S seconds in it, up to --max-repeats (0: exactly --repeats)")
+    g.add_argument("--max-repeats", type=int, default=None, metavar="N",
+                   help=f"most repeats of a cell with --min-seconds (default: "
+                        f"{DEFAULT_MAX_REPEATS} or --repeats if more)")
     g.add_argument("--warmup-tokens", type=int, default=16,
                    help="tokens of the untimed warm-up run of each method (0: none)")
     g.add_argument("--verify", default="auto", choices=list(VERIFY_MODES))
@@ -177,19 +191,35 @@ def parse_compare(value: str | None) -> list[PeerSpec]:
     return peers
 
 
+def wants_another_repeat(plain_decode_s: list[float], min_repeats: int, min_seconds: float,
+                         max_repeats: int) -> bool:
+    """Whether a cell runs one more repeat, given the decode seconds of plain's repeats so far:
+    until `min_repeats`, then while they add up to less than `min_seconds`, up to `max_repeats`."""
+    done = len(plain_decode_s)
+    if done < min_repeats:
+        return True
+    return done < max_repeats and sum(plain_decode_s) < min_seconds
+
+
 def _is_http_url(url: str) -> bool:
     parsed = urlparse(url)
     return parsed.scheme in ("http", "https") and bool(parsed.netloc)
 
 
 def check_args(args) -> None:
-    """Validate the bench flags (and default --peer-repeats to --repeats)."""
+    """Validate the bench flags (and default --peer-repeats and --max-repeats)."""
     if args.peer_repeats is None:
         args.peer_repeats = args.repeats
+    if args.max_repeats is None:
+        args.max_repeats = max(args.repeats, DEFAULT_MAX_REPEATS)
     for name, low in (("repeats", 1), ("peer_repeats", 1), ("max_tokens", 1), ("warmup_tokens", 0),
-                      ("rerun_on_interference", 0), ("hf_prompt_lookup", 0)):
-        if getattr(args, name) < low:
+                      ("rerun_on_interference", 0), ("hf_prompt_lookup", 0), ("min_seconds", 0),
+                      ("max_repeats", 1)):
+        if not getattr(args, name) >= low:  # also refuses a NaN --min-seconds
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}")
+    if args.max_repeats < args.repeats:
+        raise ValueError(f"--max-repeats ({args.max_repeats}) must be >= --repeats "
+                         f"({args.repeats})")
     from speculant.engine.sampling_params import SamplingParams
 
     try:

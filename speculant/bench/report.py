@@ -16,7 +16,11 @@ Top level
   concurrency    [int], the levels measured
   sampling       {"temperature", "top_k", "top_p", "min_p", "verify"}: every request's settings
                  (seed 0 for all; temperature 0 = greedy)
-  repeats        measurements per (category, method, concurrency)
+  repeats        least measurements per (category, method, concurrency) (--repeats)
+  min_seconds    a cell was repeated until plain decoding had been timed for this long in it
+                 (--min-seconds; 0: exactly `repeats`); each result's repeats_decode_tok_s
+                 lists the repeats it ran
+  max_repeats    the most repeats --min-seconds adds up to
   interleave_s   the methods ran side by side in turns of this many seconds (--interleave),
                  or null: one after the other, in reverse order on odd repeats
   peer_repeats   measurements per peer prompt (--peer-repeats, default --repeats)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from speculant.bench import timing as bench_timing
-from speculant.bench.options import merge_spec_options, parse_compare, parse_method_specs
+from speculant.bench.options import (merge_spec_options, parse_compare, parse_method_specs,
+                                     wants_another_repeat)
 from speculant.bench.report import (
     PeerResult,
     RunResult,
@@ -24,7 +25,7 @@ from speculant.cli.main import main
 
 TOP_KEYS = {"schema", "date", "elapsed_s", "machine", "model", "dtype", "kv_dtype", "max_tokens",
             "concurrency", "sampling",
-            "repeats", "interleave_s", "peer_repeats", "methods", "method_options", "results",
+            "repeats", "min_seconds", "max_repeats", "interleave_s", "peer_repeats", "methods", "method_options", "results",
             "categories", "by_method", "peers", "summary", "interference", "files"}
 RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_tokens",
                "generated_tokens", "prefill_tok_s", "decode_tok_s", "decode_tok_s_best",
@@ -35,7 +36,8 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "rests", "repeats_speedup", "vs_untuned"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
-        "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "interleave_s": 0.1, "peer_repeats": 1,
+        "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "min_seconds": 8.0, "max_repeats": 5,
+        "interleave_s": 0.1, "peer_repeats": 1,
         "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "verify": "auto"},
         "methods": ["plain", "suffix"], "method_options": {},
         "machine": {"cpu": "test cpu", "num_cpus": 2, "threads": 2, "platform": "x",
@@ -439,6 +441,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     try:
         code = main(["bench", "--prompts", str(prompts), "--max-tokens", "8", "--concurrency", "1",
                      "--threads", "1", "--spec-type", "suffix", "--warmup-tokens", "2",
+                     "--min-seconds", "60", "--max-repeats", "2",
                      "--record", str(records), "--no-interleave", "--out-dir", str(tmp_path / "out")])
     finally:
         torch.set_num_threads(threads)
@@ -452,6 +455,9 @@ def test_cli_end_to_end(tmp_path, capsys):
     auto_kv = "bfloat16" if tile_kv_cache() else "float16"  # the AMX tiles' layout where it runs
     assert (report["dtype"], report["kv_dtype"]) == ("auto", auto_kv)
     assert report["interleave_s"] is None  # --no-interleave: one engine, methods in turn
+    # 8 tokens of plain decoding never add up to --min-seconds: the cell ran --max-repeats times
+    assert (report["repeats"], report["min_seconds"], report["max_repeats"]) == (1, 60.0, 2)
+    assert all(len(r["repeats_decode_tok_s"]) == 2 for r in report["results"])
     assert all(set(r) == RESULT_KEYS for r in report["results"])
     assert report["categories"]["qa"]["methods"]["suffix"]["1"]["identical_to_plain"] == 1
     for r in report["results"]:  # each accepted-length figure from the row's own counters
@@ -477,13 +483,14 @@ def test_cli_tune_compare_runs_tuned_twins(tmp_path, capsys):
     try:
         code = main(["bench", "--prompts", str(prompts), "--max-tokens", "12", "--concurrency", "1",
                      "--threads", "1", "--spec-type", "suffix", "--warmup-tokens", "2",
-                     "--tune-compare", "--out-dir", str(tmp_path / "out")])
+                     "--tune-compare", "--min-seconds", "0", "--out-dir", str(tmp_path / "out")])
     finally:
         torch.set_num_threads(threads)
     assert code == 0
     report = last_json(capsys)
     assert report["methods"] == ["plain", "suffix", "suffix+tuned"]
     assert report["interleave_s"] == 0.1  # the default: three engines, side by side
+    assert all(len(r["repeats_decode_tok_s"]) == 1 for r in report["results"])  # --min-seconds 0
     by = {r["method"]: r for r in report["results"]}
     assert by["suffix"]["tuner"] is None and by["plain"]["tuner"] is None
     assert by["suffix+tuned"]["tuner"]["1"]["steps"] > 0
@@ -526,6 +533,29 @@ def test_cli_methods_with_options_run_on_engines_of_their_own(tmp_path, capsys):
     assert built[1] == 2  # --no-interleave: plain and suffix share one, the option its own
     by = {r["method"]: r for r in report["results"]}
     assert by["suffix"]["identical_to_plain"] == by["suffix[min_token_prob=0.5]"]["identical_to_plain"] == 1
+
+
+def test_short_cells_repeat_until_plain_was_timed_long_enough():
+    """--repeats first, then more while plain's decode seconds add up to less than
+    --min-seconds, never beyond --max-repeats."""
+    assert wants_another_repeat([], 1, 8.0, 5)
+    assert wants_another_repeat([2.0], 1, 8.0, 5) and wants_another_repeat([2.0, 3.0], 1, 8.0, 5)
+    assert not wants_another_repeat([2.0, 3.0, 3.5], 1, 8.0, 5)  # 8.5 s timed
+    assert not wants_another_repeat([9.0], 1, 8.0, 5)  # one long repeat is enough
+    assert wants_another_repeat([9.0, 9.0], 3, 8.0, 5)  # --repeats 3 is a floor
+    assert not wants_another_repeat([1.0] * 5, 1, 8.0, 5)  # the cap
+    assert not wants_another_repeat([0.1], 1, 0.0, 5)  # --min-seconds 0: exactly --repeats
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-seconds", "-1"], "--min-seconds must be >= 0"),
+    (["--min-seconds", "nan"], "--min-seconds must be >= 0"),
+    (["--max-repeats", "0"], "--max-repeats must be >= 1"),
+    (["--repeats", "3", "--max-repeats", "2"], "--max-repeats (2) must be >= --repeats (3)"),
+])
+def test_bad_repeat_flags_are_refused_by_name(argv, message, capsys):
+    assert main(["bench", *argv, "--spec-type", "suffix"]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_tune_compare_does_not_apply_to_replay(capsys):
