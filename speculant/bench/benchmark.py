@@ -312,9 +312,11 @@ def _progress_line(r: RunResult, plain_runs: list[Run]) -> str:
     speedup = paired_speedup(r.repeats_decode_tok_s, [round(p.decode_rate, 2) for p in plain_runs])
     same = "" if r.identical_to_plain is None else f", same {r.identical_to_plain}/{r.num_prompts}"
     flag = ", INTERFERENCE" if r.interference else ""
+    runs = len(r.repeats_decode_tok_s)
+    repeats = f", median of {runs} repeats" if runs > 1 else ""
     return (f"{r.category} c={r.concurrency} {r.method}: {r.decode_tok_s:.1f} tok/s, "
             f"{speedup:.2f}x, acc.len {r.mean_accepted_length:.2f} "
-            f"({r.mean_accepted_length_per_draft:.2f} per draft){same}{flag}")
+            f"({r.mean_accepted_length_per_draft:.2f} per draft){same}{repeats}{flag}")
 
 
 def _write_records(path: str, groups: dict[str, list[BenchPrompt]], plain_runs: dict[str, Run]) -> None:

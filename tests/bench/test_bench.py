@@ -446,7 +446,9 @@ def test_cli_end_to_end(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     assert code == 0
-    report = last_json(capsys)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out.strip().splitlines()[-1])
+    assert "qa c=1 suffix:" in captured.err and "median of 2 repeats" in captured.err
     assert set(report) == TOP_KEYS and report["methods"] == ["plain", "suffix"]
     assert report["sampling"] == {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
                                   "verify": "auto"}
