@@ -49,6 +49,19 @@ Result: one method on one category at one concurrency
   repeats_speedup       [float], those per-repeat ratios (their spread is the noise of the run)
   vs_untuned            METHOD+tuned only (--tune-compare): its paired speedup over METHOD run
                         without the tuner (null otherwise)
+  decode_coverage       the share of generated_tokens committed in steps without a prompt chunk,
+                        i.e. what decode_tok_s was measured on (kept repeat). Long prompts at
+                        c > 1 run their chunks beside the others' decoding; a method that
+                        decodes faster then has fewer decode-only steps, mostly the batch's
+                        tail (13 code_edit prompts at c=8: plain 0.53, the 4-layer draft
+                        0.12-0.20), and its decode_tok_s stands for that tail
+  request_decode_tok_s  the requests' own decode speed, averaged (each: tokens after its first /
+                        the time of the engine steps that decoded it, steps that also ran
+                        others' prompt chunks included), median over repeats;
+                        repeats_request_decode_tok_s every repeat
+  request_speedup       the paired speedup of request_decode_tok_s over plain's (null without
+                        plain): the figure to read where decode_coverage is low
+  request_vs_untuned    METHOD+tuned only: the same over METHOD run without the tuner
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
   mean_accepted_length_per_draft   1 + accepted / drafts: over the steps that verified a draft
                         only (vLLM's "mean acceptance length"; 1.0 without drafts)
@@ -137,6 +150,11 @@ class RunResult:
     speedup: float = 1.0
     repeats_speedup: list[float] = field(default_factory=list)
     vs_untuned: float | None = None
+    decode_coverage: float = 1.0
+    request_decode_tok_s: float = 0.0
+    repeats_request_decode_tok_s: list[float] = field(default_factory=list)
+    request_speedup: float | None = None
+    request_vs_untuned: float | None = None
     num_steps: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -219,6 +237,17 @@ def fill_speedups(results: list[RunResult]) -> None:
         twin = by_key.get((r.category, r.concurrency, r.method.removesuffix(TUNED_SUFFIX)))
         if r.method.endswith(TUNED_SUFFIX) and twin is not None:
             r.vs_untuned = round(paired_speedup(r.repeats_decode_tok_s, twin.repeats_decode_tok_s), 3)
+            r.request_vs_untuned = _request_ratio(r, twin)
+        r.request_speedup = _request_ratio(r, plain.get((r.category, r.concurrency)))
+
+
+def _request_ratio(r: RunResult, base: RunResult | None) -> float | None:
+    """The paired speedup of r's per-request decode rates over `base`'s (None without both)."""
+    if base is None or not base.repeats_request_decode_tok_s or \
+            not r.repeats_request_decode_tok_s:
+        return None
+    return round(paired_speedup(r.repeats_request_decode_tok_s,
+                                base.repeats_request_decode_tok_s), 3)
 
 
 def build_report(meta: dict, results: list[RunResult], peers: list[PeerResult]) -> dict:

@@ -633,6 +633,8 @@ class Engine:
         for seq, n in step.prefill:
             s.num_prompt_tokens += n
             seq.prefill_time_s += t3 - t0
+        for seq in step.decode:
+            seq.decode_step_time_s += t3 - t0
         if step.prefill:
             s.prefill_time_s += t3 - t0
         if step.decode and not step.prefill:

@@ -63,6 +63,10 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     prefill_time_s: float = 0.0  # wall time of the steps that ran this sequence's prompt chunks
+    # ... and of the steps that decoded it (other sequences' prompt chunks in them included):
+    # the engine's own time, which a wall clock from first token to finish is not when several
+    # engines take turns on the machine (`speculant bench --interleave`)
+    decode_step_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -33,7 +33,9 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "mean_accepted_length_per_draft", "acceptance_rate", "draft_time_share", "identical_to_plain", "num_steps",
                "num_drafts", "num_draft_tokens", "num_accepted_tokens", "interference",
                "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost", "tuner",
-               "rests", "repeats_speedup", "vs_untuned"}
+               "rests", "repeats_speedup", "vs_untuned", "decode_coverage",
+               "request_decode_tok_s", "repeats_request_decode_tok_s", "request_speedup",
+               "request_vs_untuned"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "min_seconds": 8.0, "max_repeats": 5,
@@ -101,6 +103,55 @@ def test_speedup_pairs_the_repeats_that_ran_side_by_side():
     report = build_report(dict(META), [rated("plain", plain), rated("suffix", untuned[:2])], [])
     assert report["results"][1]["speedup"] == round(statistics.median(untuned[:2]) / 150.0, 3)
     assert report["results"][1]["repeats_speedup"] == []
+
+
+def test_request_decode_rate_averages_each_requests_own_speed():
+    """A request's own decode speed is its tokens after the first over the time of the steps
+    that decoded it; requests with no decoding step or a single token are left out; coverage
+    is the share of generated tokens the decode-only steps committed."""
+    from types import SimpleNamespace as NS
+
+    from speculant.bench.benchmark import Run, request_decode_rate
+
+    seqs = [NS(num_generated=11, decode_step_time_s=2.0),  # 5 tok/s
+            NS(num_generated=5, decode_step_time_s=1.0),  # 4 tok/s
+            NS(num_generated=9, decode_step_time_s=0.0),
+            NS(num_generated=1, decode_step_time_s=0.0)]
+    assert request_decode_rate(seqs) == pytest.approx(4.5)
+    assert request_decode_rate(seqs[2:]) == 0.0
+    run = Run(1.0, NS(decode_tokens=13, decode_time_s=2.0), seqs, None, 0)
+    assert run.decode_coverage == pytest.approx(13 / 26)
+    assert run.request_decode_rate == pytest.approx(4.5) and run.decode_rate == 6.5
+
+
+def test_request_speedups_pair_the_repeats():
+    """request_speedup pairs each repeat's per-request rate with plain's (vs the untuned twin
+    for METHOD+tuned), independently of the decode-only rate; a cell whose decode-only steps
+    held few of its tokens names the per-request speedup in its progress line."""
+    from types import SimpleNamespace as NS
+
+    from speculant.bench.benchmark import _progress_line
+
+    def rated(method, rates, per_request, coverage=1.0):
+        r = result(method, "code_edit", 8, rates[0])
+        r.repeats_decode_tok_s, r.decode_coverage = rates, coverage
+        r.repeats_request_decode_tok_s = per_request
+        return r
+
+    results = [rated("plain", [100.0, 120.0], [10.0, 12.0]),
+               rated("draft", [150.0, 120.0], [15.0, 13.2], 0.2),
+               rated("draft+tuned", [110.0, 132.0], [16.5, 13.2], 0.15)]
+    report = build_report(dict(META), results, [])
+    by = {r["method"]: r for r in report["results"]}
+    assert by["plain"]["request_speedup"] == 1.0
+    assert by["draft"]["request_speedup"] == pytest.approx(1.3)  # median of 1.5 and 1.1
+    assert by["draft+tuned"]["request_vs_untuned"] == pytest.approx(1.05)  # 1.1 and 1.0
+    assert by["draft"]["request_vs_untuned"] is None
+    plain_runs = [NS(decode_rate=100.0, request_decode_rate=10.0),
+                  NS(decode_rate=120.0, request_decode_rate=12.0)]
+    line = _progress_line(results[1], plain_runs)
+    assert "decode-only steps 20% of the tokens, per request 1.30x" in line
+    assert "per request" not in _progress_line(results[0], plain_runs)
 
 
 def test_report_json_schema_keys():
@@ -469,6 +520,14 @@ def test_cli_end_to_end(tmp_path, capsys):
             1 + accepted / drafts if drafts else 1.0, abs=1e-3)
     row_costs = {r["method"]: r["row_cost"] for r in report["results"]}
     assert row_costs["plain"] is None and 0.0 < row_costs["suffix"] < 1.0
+    by = {r["method"]: r for r in report["results"]}
+    # one prompt at c=1: every token after the first was committed in a decode-only step
+    gen = by["plain"]["generated_tokens"]
+    assert by["plain"]["decode_coverage"] == round((gen - 1) / gen, 3)
+    for r in report["results"]:
+        assert 0.0 < r["decode_coverage"] <= 1.0 and r["request_decode_tok_s"] > 0
+        assert len(r["repeats_request_decode_tok_s"]) == 2
+    assert by["plain"]["request_speedup"] == 1.0 and by["suffix"]["request_speedup"] > 0
     assert report["files"]["chart"].endswith(".png")
     (rec,) = [json.loads(line) for line in records.read_text().splitlines()]
     assert set(rec) == {"id", "category", "prompt_ids", "output_ids"} and rec["id"] == "t1"

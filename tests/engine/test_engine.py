@@ -49,6 +49,38 @@ def test_request_joining_mid_run_gets_the_same_tokens(default_engine):
     default_engine.release(late)
 
 
+def test_a_sequence_is_timed_over_the_steps_that_decoded_it(default_engine):
+    """`decode_step_time_s` sums the steps that committed a token after a sequence's first,
+    those that also ran another request's prompt chunk included (what the bench's per-request
+    decode rate divides by); `prefill_time_s` the steps that ran its own prompt."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, spec=PLAIN)
+    default_engine.reset_stats()
+    seqs = [default_engine.add_request(chat(default_engine, PROMPTS[0]), params)]
+    expected_decode, expected_prefill = [0.0, 0.0], [0.0, 0.0]
+    mixed = 0
+    while default_engine.has_unfinished():
+        if len(seqs) == 1 and seqs[0].num_generated == 4:  # joins while the first decodes
+            seqs.append(default_engine.add_request(chat(default_engine, PROMPTS[5]), params))
+        before = [s.num_generated for s in seqs]
+        st = default_engine.stats
+        t_before = st.decode_time_s + st.prefill_time_s
+        default_engine.step()
+        took = st.decode_time_s + st.prefill_time_s - t_before
+        grew = [s.num_generated > b for s, b in zip(seqs, before)]
+        for i, (g, b) in enumerate(zip(grew, before)):
+            if g and b >= 1:
+                expected_decode[i] += took
+            elif b == 0:
+                expected_prefill[i] += took
+        mixed += len(seqs) == 2 and grew[0] and before[1] == 0
+    assert mixed >= 1  # the first sequence decoded beside the second's prompt
+    for seq, dec, pre in zip(seqs, expected_decode, expected_prefill):
+        assert seq.decode_step_time_s == pytest.approx(dec, rel=1e-9)
+        assert seq.prefill_time_s == pytest.approx(pre, rel=1e-9)
+        assert seq.decode_step_time_s > 0
+        default_engine.release(seq)
+
+
 def test_max_tokens_and_length_finish(default_engine):
     s = run(default_engine, [PROMPTS[3]], SamplingParams(max_tokens=5, temperature=0.0,
                                                          ignore_eos=True, spec=PLAIN))[0]
