@@ -146,18 +146,19 @@ def machine_info(threads: int) -> dict:
     CPU linear kernels ran on ("avx2", "avx512_vnni", "amx_int8"; "torch" for the PyTorch
     fallback); `prefetch_blocks`: how far ahead the VNNI and AVX2 kernels prefetched weights (None
     without the native kernels); `prompt_attention`: what prompt positions were attended on
-    ("amx_bf16" tiles or "fp32"); `thread_team`: who ran the kernels' parallel chunks ("pool" or
+    ("amx_bf16" tiles or "fp32"); `kv_attention`: what a bfloat16 KV cache is attended on
+    ("amx_bf16" tiles, "avx512_bf16" dot products, "none"); `thread_team`: who ran the kernels' parallel chunks ("pool" or
     "openmp", kernels/thread_policy.py; None without the native kernels)."""
     import torch
 
-    from speculant.kernels.native import (kernel_path, prompt_attention, thread_team,
-                                          weight_prefetch_blocks)
+    from speculant.kernels.native import (kernel_path, kv_attention, prompt_attention,
+                                          thread_team, weight_prefetch_blocks)
 
     return {"cpu": _cpu_model(), "num_cpus": os.cpu_count() or 0, "threads": threads,
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "kernel_path": kernel_path(),
             "prefetch_blocks": weight_prefetch_blocks(), "prompt_attention": prompt_attention(),
-            "thread_team": thread_team()}
+            "kv_attention": kv_attention(), "thread_team": thread_team()}
 
 
 def _cpu_model() -> str:

@@ -35,9 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-tokens", type=int, default=d("kv_cache_tokens"), help="KV cache capacity in tokens")
     g.add_argument("--kv-dtype", default=d("kv_dtype"), choices=["auto", *KV_DTYPES],
                    help="KV cache element type: float16 halves its memory and attention's reads; "
-                        "bfloat16 (CPUs with AMX-BF16) is attended on the AMX tiles, every "
-                        "position alike; auto = float32 with --dtype float32, else bfloat16 "
-                        "where the CPU has AMX-BF16, else float16")
+                        "bfloat16 (CPUs with avx512_bf16) is attended on AMX-BF16 tiles or "
+                        "AVX512_BF16 dot products, every position alike; auto = float32 with "
+                        "--dtype float32, else bfloat16 where the CPU has avx512_bf16, else "
+                        "float16")
     g.add_argument("--max-num-batched-tokens", type=int, default=d("max_num_batched_tokens"),
                    help="tokens per forward")
     s = p.add_argument_group("speculation")

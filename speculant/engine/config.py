@@ -21,9 +21,9 @@ def parse_spec_types(value) -> list[str]:
 
 def auto_kv_dtype(dtype: str, device: str) -> str:
     """float32 with float32 weights (reference numerics, as transformers computes); else
-    bfloat16 where the CPU attends a cache in the AMX tiles' layout (its logits sit as close to
-    an fp32 cache's as fp16's do, and a verified row's attention costs a fraction: docs/
-    kernels.md), else float16."""
+    bfloat16 where the CPU attends a cache in the AMX tiles' layout natively, on AMX-BF16 tiles
+    or AVX512_BF16 dot products (its logits sit as close to an fp32 cache's as fp16's do, and a
+    verified row's attention costs a fraction: docs/kernels.md), else float16."""
     if dtype == "float32":
         return "float32"
     if device == "cpu" and tile_kv_cache():
@@ -46,7 +46,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     kv_cache_tokens: int = 32768  # KV capacity shared by all sequences
     # KV cache element type: float16 (llama.cpp's default too), float32, or bfloat16 (in the AMX
-    # tiles' layout, attended on them: CPUs with AMX-BF16); auto: auto_kv_dtype
+    # tiles' layout, attended on AMX-BF16 tiles or AVX512_BF16 dot products: CPUs with
+    # avx512_bf16); auto: auto_kv_dtype
     kv_dtype: str = "auto"
     block_size: int = 0  # positions per cache block; 0 = the cache's own: 16, 32 for bfloat16
     # Speculation: speculators loaded (the chain), and the default draft limits per request.

@@ -663,8 +663,8 @@ class Engine:
 
 
 def _resolve_kv_dtype(config: EngineConfig, head_dim: int) -> None:
-    """A bfloat16 cache is in the AMX tiles' layout, which only the tile kernels attend fast and
-    only for some head sizes: chosen by auto, a model they do not fit keeps float16; asked for,
+    """A bfloat16 cache is in the AMX tiles' layout, which only the AMX-BF16 tiles and the
+    AVX512_BF16 dot products attend fast, and only for some head sizes: chosen by auto, a model they do not fit keeps float16; asked for,
     it is refused by name on a CPU without them (the PyTorch fallback would run it ~50x slower)
     or for a head size they do not take."""
     if config.kv_dtype != "bfloat16":
@@ -678,8 +678,8 @@ def _resolve_kv_dtype(config: EngineConfig, head_dim: int) -> None:
         return
     if torch.device(config.device).type == "cpu" and not tile_kv_cache():
         raise ValueError("kv_dtype bfloat16 keeps the KV cache in the AMX tiles' layout and needs "
-                         "a CPU with AMX-BF16 and AVX512_BF16 (lscpu flags amx_bf16 "
-                         f"avx512_bf16) and the native kernels; this one runs "
+                         "a CPU with AVX512_BF16 (lscpu flag avx512_bf16, beside avx512_vnni; "
+                         "amx_bf16 runs it on tiles) and the native kernels; this one runs "
                          f"{kernel_path()}: use float16")
 
 

@@ -18,7 +18,8 @@ from speculant.kernels.kv_layout import check_tile_shape, is_tile_layout, k_cach
 
 # Element types a cache can hold, by the name the CLI and configs use. float16 halves the memory
 # and the bytes attention reads per step; K and V are rounded to it when written. bfloat16 is
-# kept in the AMX tiles' layout and attended on them (kernels/kv_layout.py; CPUs with AMX-BF16).
+# kept in the AMX tiles' layout and attended on AMX-BF16 tiles or AVX512_BF16 dot products
+# (kernels/kv_layout.py; CPUs with avx512_bf16).
 KV_DTYPES = {"float16": torch.float16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

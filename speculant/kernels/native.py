@@ -132,9 +132,25 @@ def thread_team() -> str | None:
 
 def tile_kv_cache() -> bool:
     """Whether attention runs natively over a bfloat16 KV cache in the AMX tiles' layout
-    (kernels/kv_layout.py): a CPU with AMX-BF16 and AVX512_BF16, and the native kernels."""
+    (kernels/kv_layout.py): a CPU with AVX512_BF16 (and AVX-512 VNNI), and the native kernels;
+    on AMX-BF16 tiles where the CPU has them, else on AVX512_BF16 dot products
+    (`kv_attention`)."""
     ops = load_ops()
     return bool(ops.tile_kv_cache()) if ops is not None else False
+
+
+def kv_attention() -> str:
+    """What a bfloat16 KV cache is attended on: "amx_bf16" (tiles, csrc/avx512/
+    attention_tiles.cpp), "avx512_bf16" (dot products, attention_bf16dot.cpp: CPUs without AMX,
+    or SPECULANT_KV_ATTENTION=avx512_bf16) or "none" (no bfloat16 cache runs natively here)."""
+    ops = load_ops()
+    return str(ops.kv_attention()) if ops is not None else "none"
+
+
+def forced_kv_attention(mode: str):
+    """Runs the block with a bfloat16 cache attended as `mode` says ("auto" or "avx512_bf16"),
+    then restores the previous setting (tests and A/B measurements)."""
+    return _forced_setting("set_kv_attention", mode, "KV attention mode")
 
 
 def forced_prompt_attention(mode: str):

@@ -1,9 +1,11 @@
-"""A bfloat16 KV cache in the AMX tiles' layout (kernels/kv_layout.py), attended on AMX-BF16 tiles
-straight from the cache, every query position alike (csrc/avx512/attention_tiles.cpp): the
-layout round-trips, the native writer matches the PyTorch one bit for bit, attention stays within
-bf16 rounding of exact attention over the cached values, is batch-invariant (a decode token, a
-verification row and a prompt token at one position get the same bits), and speculative output
-equals plain output on the default model. Tests that need the tiles skip on CPUs without them.
+"""A bfloat16 KV cache in the AMX tiles' layout (kernels/kv_layout.py), attended straight from the
+cache, every query position alike, on AMX-BF16 tiles (csrc/avx512/attention_tiles.cpp) or on
+AVX512_BF16 dot products (attention_bf16dot.cpp; CPUs without AMX, or forced): the layout
+round-trips, the native writer matches the PyTorch one bit for bit, attention on either stays
+within bf16 rounding of exact attention over the cached values, is batch-invariant (a decode
+token, a verification row and a prompt token at one position get the same bits), and speculative
+output equals plain output on the default model. Tests that need a native bf16 attention skip on
+CPUs without AVX512_BF16; the tiles' own variants skip without AMX-BF16.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 from speculant.kernels import native_available, paged_attention
 from speculant.kernels.kv_layout import (TILE_BLOCK, cache_block_size, cache_heads, gather_k,
                                          gather_v, k_cache_shape, v_cache_shape, write_kv)
-from speculant.kernels.native import tile_kv_cache
+from speculant.kernels.native import forced_kv_attention, kv_attention, tile_kv_cache
 from speculant.kernels.rope import rope_cos_sin, rope_write_kv
 
 HQ, HKV = 9, 3
@@ -25,8 +27,20 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def require_tiles() -> None:
     if not tile_kv_cache():
-        pytest.skip("this CPU has no AMX-BF16 tiles for a bfloat16 KV cache (needs amx_bf16 and "
-                    "avx512_bf16, and the native kernels)")
+        pytest.skip("this CPU attends no bfloat16 KV cache natively (needs avx512_bf16 and "
+                    "avx512_vnni, and the native kernels)")
+
+
+@pytest.fixture(params=["amx_bf16", "avx512_bf16"])
+def bf16_attention(request):
+    """Each native attention of a bf16 cache in turn: the tiles where the CPU has AMX-BF16, and
+    the dot products (forced there; what auto runs elsewhere)."""
+    require_tiles()
+    if request.param == "amx_bf16" and kv_attention() != "amx_bf16":
+        pytest.skip("this CPU has no AMX-BF16 tiles (needs amx_bf16 and the OS's leave)")
+    with forced_kv_attention("auto" if request.param == "amx_bf16" else "avx512_bf16"):
+        assert kv_attention() == request.param
+        yield request.param
 
 
 def tile_cache(num_blocks: int, head_dim: int, block_size: int = TILE_BLOCK):
@@ -88,11 +102,11 @@ def test_native_writer_matches_the_reference_bit_for_bit():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [32, 64])
 @pytest.mark.parametrize("num_tokens", [1, 4, 6, 17])
-def test_tiles_stay_within_bf16_rounding_of_exact_attention(head_dim, block_size, num_tokens):
+def test_tiles_stay_within_bf16_rounding_of_exact_attention(head_dim, block_size, num_tokens,
+                                                            bf16_attention):
     """Against attention over the same cached bf16 values in fp32 (the PyTorch fallback), the
     only roundings are the bf16 query and softmax numerators: within 3e-3 at context ~700
     (three partitions), for verification chunks of 1-17 tokens."""
-    require_tiles()
     length = 700
     k_cache, v_cache, table = filled_cache(length, head_dim, block_size)
     g = torch.Generator().manual_seed(3)
@@ -105,11 +119,10 @@ def test_tiles_stay_within_bf16_rounding_of_exact_attention(head_dim, block_size
     assert (tiles - exact).abs().max().item() < 3e-3
 
 
-def test_a_position_gets_the_same_bits_whatever_else_is_in_the_batch():
+def test_a_position_gets_the_same_bits_whatever_else_is_in_the_batch(bf16_attention):
     """A token's output is bit-identical alone (a decode step), inside a verification chunk,
     inside a prompt batch from position 0, in a subset, and beside another sequence: the tile
-    rows and the other queries never change it."""
-    require_tiles()
+    rows (the dot products' query groups) and the other queries never change it."""
     length = 600
     k_cache, v_cache, table = filled_cache(length)
     g = torch.Generator().manual_seed(4)
@@ -169,15 +182,14 @@ def test_engine_refuses_a_tile_cache_the_cpu_cannot_attend(monkeypatch):
     from speculant.engine.config import EngineConfig
 
     monkeypatch.setattr(engine_module, "tile_kv_cache", lambda: False)
-    with pytest.raises(ValueError, match="needs a CPU with AMX-BF16.*use float16"):
+    with pytest.raises(ValueError, match="needs a CPU with AVX512_BF16.*use float16"):
         engine_module.Engine(EngineConfig(kv_dtype="bfloat16"))
 
 
-def test_speculative_output_equals_plain_on_a_tile_cache(default_engine):
+def test_speculative_output_equals_plain_on_a_tile_cache(default_engine, bf16_attention):
     """The default model on a bfloat16 tile cache: greedy speculative decoding writes plain
     decoding's tokens, one sequence at a time and four together (every generated position
-    takes the one tile path whether it is decoded or verified)."""
-    require_tiles()
+    takes the one path whether it is decoded or verified)."""
     from conftest import decode_all, dev_prompts
     from speculant.engine.config import EngineConfig
     from speculant.engine.engine import Engine
@@ -221,3 +233,36 @@ def test_tile_cache_moves_the_models_logits_no_more_than_the_fp16_cache(default_
     fp16_gap = (logits(torch.float16, 16) - fp32).abs().mean().item()
     print(f"mean logit gap from an fp32 cache: bf16 tiles {tiles_gap:.4f}, fp16 {fp16_gap:.4f}")
     assert 0 < tiles_gap < 1.25 * fp16_gap
+
+
+def test_the_dot_products_and_the_tiles_agree_to_bf16_rounding():
+    """On a CPU with both, the two attentions of a bf16 cache read the same operands and differ
+    only in the order each adds its fp32 products: within 1e-4 of each other."""
+    require_tiles()
+    if kv_attention() != "amx_bf16":
+        pytest.skip("this CPU has no AMX-BF16 tiles to compare the dot products with")
+    k_cache, v_cache, table = filled_cache(700)
+    q = torch.randn(6, HQ, 64, generator=torch.Generator().manual_seed(6))
+    args = (q, k_cache, v_cache, table, torch.zeros(6, dtype=torch.int32),
+            torch.arange(694, 700, dtype=torch.int32), 0.125)
+    tiles = paged_attention(*args)
+    with forced_kv_attention("avx512_bf16"):
+        dots = paged_attention(*args)
+    assert (tiles - dots).abs().max().item() < 1e-4
+
+
+def test_a_kv_attention_mode_this_cpu_lacks_is_refused_by_name():
+    """set_kv_attention takes auto or avx512_bf16, and refuses avx512_bf16 where the CPU has no
+    AVX512_BF16, naming it."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    with pytest.raises(RuntimeError, match="expected auto or avx512_bf16"):
+        with forced_kv_attention("bf16"):
+            pass
+    if tile_kv_cache():
+        assert kv_attention() in ("amx_bf16", "avx512_bf16")
+    else:
+        assert kv_attention() == "none"
+        with pytest.raises(RuntimeError, match="lacks AVX512_BF16"):
+            with forced_kv_attention("avx512_bf16"):
+                pass

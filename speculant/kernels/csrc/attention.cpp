@@ -40,7 +40,10 @@
 // A bf16 cache is kept in the tiles' own layout (kernels/kv_layout.py) and every query position,
 // prompt or generated, runs on AMX-BF16 tiles straight from it (avx512/attention_tiles.cpp): a
 // unit's query rows (tokens x heads of one KV head, up to 16 a tile) share each tile product, so
-// a verification chunk of a few tokens costs about what one decode token does.
+// a verification chunk of a few tokens costs about what one decode token does. On an
+// AVX512_BF16 CPU without AMX (AMD Zen 4 and 5) the same cache runs on bf16 dot products
+// instead (avx512/attention_bf16dot.cpp): each instruction adds two features to 16 scores or two
+// positions to 16 value sums, straight from the same layout.
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
@@ -108,6 +111,9 @@ struct Problem {
   // prompt_attention_tiles() holds and head_dim suits them)
   const int32_t* prompt_lens;
   bool tiles;
+  // a bf16 cache in the tiles' layout: attended on AMX-BF16 tiles (else on AVX512_BF16 dot
+  // products; kernel_path.h, kv_attention_tiles)
+  bool kv_amx = false;
   bool prompt_token(int64_t t) const {
     return tiles && pos[t] < prompt_lens[seq[t]];
   }
@@ -448,11 +454,11 @@ void attend_partition_tiles(const Problem<KV>& pb, const Unit& u, int64_t part, 
   tile_queries(pb, u, part, out, sc, sc.q_rows, [&](int64_t t, int64_t h) {
     return pb.q + (t * pb.num_heads + u.kvh * group + u.h0 + h) * D;
   });
-  attention_partition_tiles(sc.q_rows.data(), sc.lengths.data(),
-                            static_cast<int64_t>(sc.q_rows.size()),
-                            reinterpret_cast<const uint16_t* const*>(sc.k_vecs.data()),
-                            reinterpret_cast<const uint16_t* const*>(sc.v_rows.data()), n_max, BS,
-                            D, pb.scale, sc.value_sums.data(), sc.maxes.data(), sc.sums.data());
+  const auto partition = pb.kv_amx ? attention_partition_tiles : attention_partition_bf16dot;
+  partition(sc.q_rows.data(), sc.lengths.data(), static_cast<int64_t>(sc.q_rows.size()),
+            reinterpret_cast<const uint16_t* const*>(sc.k_vecs.data()),
+            reinterpret_cast<const uint16_t* const*>(sc.v_rows.data()), n_max, BS, D, pb.scale,
+            sc.value_sums.data(), sc.maxes.data(), sc.sums.data());
 }
 
 // attend_partition on an fp32 or fp16 cache, over the partition's first n_max positions: the
@@ -733,7 +739,8 @@ void check_indices(const at::Tensor& block_tables, const at::Tensor& token_seq,
         "token_seq, token_pos must have T entries");
 }
 
-// A bf16 cache in the tiles' layout (kernels/kv_layout.py): every query on AMX-BF16 tiles.
+// A bf16 cache in the tiles' layout (kernels/kv_layout.py): every query on AMX-BF16 tiles, or
+// on AVX512_BF16 dot products where the CPU has no AMX (or SPECULANT_KV_ATTENTION says so).
 at::Tensor attend_tile_cache(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& block_tables,
                              const at::Tensor& token_seq, const at::Tensor& token_pos,
@@ -743,8 +750,8 @@ at::Tensor attend_tile_cache(const at::Tensor& q, const at::Tensor& k_cache,
   check(tile_kv_shapes_match(k_cache, v_cache),
         "expected a bfloat16 cache in the tiles' layout: K [blocks, Hkv, D / 2, block_size, 2], "
         "V [blocks, Hkv, block_size / 2, D, 2]");
-  check(tile_kv_cache(), "a bfloat16 KV cache is attended on AMX-BF16 tiles, which this CPU "
-        "lacks (needs amx_bf16 and avx512_bf16, and the OS's leave to use tiles)");
+  check(tile_kv_cache(), "a bfloat16 KV cache is attended on AMX-BF16 tiles or AVX512_BF16 dot "
+        "products, which this CPU lacks (needs avx512_bf16 and avx512_vnni)");
   check(q.dim() == 3, "expected q [T, Hq, D]");
   check_indices(block_tables, token_seq, token_pos, q.size(0));
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
@@ -761,7 +768,7 @@ at::Tensor attend_tile_cache(const at::Tensor& q, const at::Tensor& k_cache,
                            token_seq.const_data_ptr<int32_t>(),
                            token_pos.const_data_ptr<int32_t>(), out.data_ptr<float>(), Hq, Hkv,
                            D, block_size, block_tables.size(1), static_cast<float>(scale), true,
-                           nullptr, false};
+                           nullptr, false, kv_attention_tiles()};
   attend(pb, T, block_tables.size(0), num_blocks);
   return out;
 }

@@ -68,4 +68,14 @@ bool attention_partition_tiles(const float* const* q_rows, const int64_t* length
                                int64_t block_size, int64_t D, float scale, float* const* outs,
                                float* const* maxes, float* const* sums);
 
+// AVX512_BF16 dot products over the same bf16 cache in the tiles' layout (avx512/
+// attention_bf16dot.cpp), for CPUs without AMX: the same contract as attention_partition_tiles,
+// the same bf16 operands and fp32 softmax, not bit-identical to the tiles (each adds its products
+// in its own order), batch-invariant.
+bool attention_partition_bf16dot(const float* const* q_rows, const int64_t* lengths,
+                                 int64_t num_queries, const uint16_t* const* k_blocks,
+                                 const uint16_t* const* v_blocks, int64_t n_max,
+                                 int64_t block_size, int64_t D, float scale, float* const* outs,
+                                 float* const* maxes, float* const* sums);
+
 }  // namespace speculant

@@ -64,6 +64,14 @@ bool has_amx_bf16() {
   return tile_bf16 && ((eax >> 5) & 1u);
 }
 
+// AVX512_BF16 is CPUID leaf 7 subleaf 1 EAX bit 5; the dot-product attention also needs
+// AVX-512F/BW/VL (every AVX512_BF16 CPU has AVX-512 VNNI too: Cooper Lake on, Zen 4 on).
+bool has_avx512_bf16() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (!has_avx512_vnni() || !__get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx)) return false;
+  return (eax >> 5) & 1u;
+}
+
 // In increasing order of preference: "auto" picks the last one the CPU supports.
 constexpr PathInfo kKernelPaths[] = {
     {KernelPath::kAvx2, "avx2", "avx2 fma f16c", has_avx2, false},
@@ -151,6 +159,21 @@ bool prompt_tiles_from_env() {
 
 std::atomic<int> prompt_tiles_wanted{kUnset};  // 0 / 1, kUnset until first use
 
+// SPECULANT_KV_ATTENTION: "auto" (AMX-BF16 tiles where the CPU has them) or "avx512_bf16".
+std::atomic<int> kv_tiles_wanted{kUnset};  // 0 / 1, kUnset until first use
+
+bool kv_tiles_from_env() {
+  const char* env = std::getenv("SPECULANT_KV_ATTENTION");
+  const std::string_view mode = env != nullptr && *env != '\0' ? env : "auto";
+  TORCH_CHECK(mode == "auto" || mode == "avx512_bf16", "SPECULANT_KV_ATTENTION=", mode,
+              ": expected auto (AMX-BF16 tiles for a bfloat16 KV cache where the CPU has them, "
+              "else AVX512_BF16 dot products) or avx512_bf16");
+  TORCH_CHECK(mode == "auto" || has_avx512_bf16(), "SPECULANT_KV_ATTENTION=avx512_bf16: this CPU "
+              "lacks AVX512_BF16 (and AVX-512 VNNI)");
+  return mode == "auto";
+}
+
+
 }  // namespace
 
 KernelPath active_kernel_path() {
@@ -206,8 +229,35 @@ bool prompt_attention_tiles() {
 }
 
 bool tile_kv_cache() {
-  static const bool available = has_amx_bf16();
+  static const bool available = has_avx512_bf16();
   return available;
+}
+
+bool kv_attention_tiles() {
+  int wanted = kv_tiles_wanted.load(std::memory_order_relaxed);
+  if (wanted == kUnset) {
+    int expected = kUnset;
+    kv_tiles_wanted.compare_exchange_strong(expected, kv_tiles_from_env() ? 1 : 0);
+    wanted = kv_tiles_wanted.load(std::memory_order_relaxed);
+  }
+  static const bool available = has_amx_bf16();
+  return wanted == 1 && available;
+}
+
+std::string kv_attention() {
+  if (!tile_kv_cache()) return "none";
+  return kv_attention_tiles() ? "amx_bf16" : "avx512_bf16";
+}
+
+std::string set_kv_attention(const std::string& mode) {
+  TORCH_CHECK(mode == "auto" || mode == "avx512_bf16", "set_kv_attention(", mode,
+              "): expected auto or avx512_bf16");
+  TORCH_CHECK(mode == "auto" || tile_kv_cache(), "set_kv_attention(avx512_bf16): this CPU lacks "
+              "AVX512_BF16 (and AVX-512 VNNI)");
+  kv_attention_tiles();  // reads the variable first, if nothing has yet
+  const bool was_auto = kv_tiles_wanted.load(std::memory_order_relaxed) == 1;
+  kv_tiles_wanted.store(mode == "auto" ? 1 : 0, std::memory_order_relaxed);
+  return was_auto ? "auto" : "avx512_bf16";
 }
 
 std::string prompt_attention() { return prompt_attention_tiles() ? "amx_bf16" : "fp32"; }

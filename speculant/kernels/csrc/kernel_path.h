@@ -28,10 +28,18 @@ bool wide_attention(KernelPath path);
 // the other paths); generated positions always take the fp32 path.
 bool prompt_attention_tiles();
 
-// Whether this CPU can attend over a bf16 KV cache in the AMX tiles' layout (avx512/
-// attention_tiles.cpp): AMX-BF16 and AVX512_BF16, and the OS's leave to use tiles. Whatever the
-// active path: the cache's dtype, chosen when it is made, decides how it is attended.
+// Whether this CPU can attend over a bf16 KV cache in the AMX tiles' layout: on AMX-BF16 tiles
+// (avx512/attention_tiles.cpp; AMX-BF16 and AVX512_BF16, and the OS's leave to use tiles) or on
+// AVX512_BF16 dot products (avx512/attention_bf16dot.cpp; AVX-512 VNNI and AVX512_BF16).
+// Whatever the active path: the cache's dtype, chosen when it is made, decides how it is
+// attended.
 bool tile_kv_cache();
+
+// What a bf16 cache is attended on: true for the AMX-BF16 tiles, false for the AVX512_BF16 dot
+// products. The tiles where the CPU has them, unless SPECULANT_KV_ATTENTION=avx512_bf16 (read on
+// first use; a bad value, or a CPU without AVX512_BF16, throws) or
+// set_kv_attention("avx512_bf16"). The two are not bit-identical to each other.
+bool kv_attention_tiles();
 
 // How many weight blocks ahead the AVX-512 VNNI and AVX2 kernels request into L1 (0: none), chosen
 // once per process from the CPU (or SPECULANT_PREFETCH_BLOCKS, 0-64): a matter of the CPU's
@@ -52,6 +60,10 @@ std::string set_kernel_path(const std::string& name);
 // set_prompt_attention("auto" or "fp32") -> the previous setting ("auto" or "fp32").
 std::string prompt_attention();
 std::string set_prompt_attention(const std::string& mode);
+// kv_attention(): "amx_bf16", "avx512_bf16" or "none" (no bf16 cache here), what a bf16 cache is
+// attended on now; set_kv_attention("auto" or "avx512_bf16") -> the previous setting.
+std::string kv_attention();
+std::string set_kv_attention(const std::string& mode);
 // set_weight_prefetch_blocks(n, 0-64) -> the previous value (tests and A/B measurements).
 int64_t set_weight_prefetch_blocks(int64_t blocks);
 

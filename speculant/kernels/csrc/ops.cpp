@@ -39,6 +39,8 @@ TORCH_LIBRARY(speculant, m) {
   m.def("weight_prefetch_blocks() -> int", &speculant::weight_prefetch_blocks);
   m.def("prompt_attention() -> str", &speculant::prompt_attention);
   m.def("tile_kv_cache() -> bool", &speculant::tile_kv_cache);
+  m.def("kv_attention() -> str", &speculant::kv_attention);
+  m.def("set_kv_attention(str mode) -> str", &speculant::set_kv_attention);
   m.def("thread_team() -> str", &speculant::thread_team);
   m.def("set_prompt_attention(str mode) -> str", &speculant::set_prompt_attention);
   m.def("set_weight_prefetch_blocks(int blocks) -> int", &speculant::set_weight_prefetch_blocks);

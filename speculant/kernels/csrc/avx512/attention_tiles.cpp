@@ -27,6 +27,7 @@
 #include <cstdlib>
 
 #include "../attention_wide.h"
+#include "aligned_scratch.h"
 #include "exp16.h"
 #include "tile_config.h"
 
@@ -52,21 +53,7 @@ void configure_tiles() {
 
 inline __m256i to_bf16(__m512 x) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)); }
 
-// Per-thread scratch, grown as needed (plain malloc: no STL in this file).
-struct Scratch {
-  void* data = nullptr;
-  int64_t bytes = 0;
-  ~Scratch() { free(data); }
-  void* get(int64_t n) {
-    if (n > bytes) {
-      free(data);
-      bytes = (n + 63) / 64 * 64;
-      data = aligned_alloc(64, bytes);
-    }
-    return data;
-  }
-};
-thread_local Scratch tls_scratch;
+thread_local avx512::AlignedScratch tls_scratch;  // grown as needed
 
 // Query operands: per query tile and 32-feature slice, 16 rows x 32 bf16 of scale * q; rows
 // past num_queries are zeros.
@@ -146,26 +133,6 @@ void tile_scores(int64_t slices, const uint16_t* const* k_blocks,
 }
 #undef SPECULANT_DOT
 
-// One query's softmax numerators over its scores s [0, n): exp(s - max), rounded to bf16 as row
-// `row` of the P operand of every chunk (chunk c's at p + c * 16 * 32), exact zeros from n on.
-// Returns the sum of the fp32 numerators (16 lanes in position order, then reduced); stores the
-// max in *max_out.
-float softmax_row(const float* s, int64_t n, int64_t num_chunks, uint16_t* p, float* max_out) {
-  const float m = avx512::max_of(s, n);
-  *max_out = m;
-  const __m512 vm = _mm512_set1_ps(m);
-  __m512 vsum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    uint16_t* row = p + c * kTile * kChunk;
-    for (int64_t h = 0; h < 2; ++h) {
-      const __m512 e = avx512::numerators16(s, kChunk * c + 16 * h, n, vm);
-      vsum = _mm512_add_ps(vsum, e);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(row + 16 * h), to_bf16(e));
-    }
-  }
-  return _mm512_reduce_add_ps(vsum);
-}
-
 #define SPECULANT_PV(T, V_TILE) \
   _tile_loadd(V_TILE, vb + (T) * 2 * 16, v_stride); \
   _tile_dpbf16ps(T, 4, V_TILE);
@@ -240,8 +207,9 @@ bool attention_partition_tiles(const float* const* q_rows, const int64_t* length
     // of the other operand, so they change nothing that is read
     for (int64_t i = 0; i < kTile && qt * kTile + i < num_queries; ++i) {
       const int64_t j = qt * kTile + i;
-      *sums[j] = softmax_row(scores + i * row_stride, lengths[j], num_chunks, pbuf + i * kChunk,
-                             maxes[j]);
+      // chunk c of row i of the P operands at pbuf + c * 16 * 32 + i * 32
+      *sums[j] = avx512::softmax_bf16_row(scores + i * row_stride, lengths[j], num_chunks,
+                                          pbuf + i * kChunk, kTile * kChunk, maxes[j]);
     }
     for (int64_t f0 = 0; f0 < num_ftiles; f0 += 4) {
       const int64_t nf = num_ftiles - f0 < 4 ? num_ftiles - f0 : 4;  // even: D % 32 == 0

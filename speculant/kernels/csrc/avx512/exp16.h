@@ -51,5 +51,28 @@ inline __m512 numerators16(const float* s, int64_t q, int64_t n, __m512 vm) {
   return exp16(_mm512_sub_ps(v, vm));
 }
 
+// One query's softmax numerators over its scores s [0, n): exp(s - max), rounded to bf16 (nearest
+// even) in chunks of 32 positions, chunk c at p + c * chunk_stride, exact zeros from n on.
+// Returns the sum of the fp32 numerators (16 lanes in position order, then reduced); stores the
+// max in *max_out. The tiles (attention_tiles.cpp) and the bf16 dot products
+// (attention_bf16dot.cpp) share it, so a query's softmax is the same on both.
+inline float softmax_bf16_row(const float* s, int64_t n, int64_t num_chunks, uint16_t* p,
+                              int64_t chunk_stride, float* max_out) {
+  const float m = max_of(s, n);
+  *max_out = m;
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    uint16_t* row = p + c * chunk_stride;
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m512 e = numerators16(s, 32 * c + 16 * h, n, vm);
+      vsum = _mm512_add_ps(vsum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + 16 * h),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
+    }
+  }
+  return _mm512_reduce_add_ps(vsum);
+}
+
 }  // namespace avx512
 }  // namespace speculant
