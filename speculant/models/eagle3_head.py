@@ -10,7 +10,10 @@ Training-Time Test") drafts from features of the target rather than from tokens 
     h_out   = r + mlp(post_attention_layernorm(r))
     logits  = lm_head(norm(h_out))               # over the draft vocabulary only
 
-A draft chain feeds h_out back as the next step's `fused` (no fc then). The draft vocabulary is
+A draft chain feeds h_out back as the next step's `fused` (no fc then). A head of N > 1 layers
+(`num_hidden_layers`) runs N - 1 plain Llama decoder layers on h_out before the final norm
+(`layers.1.*` ... in the checkpoint, the convention that calls the first layer `layers.0`, our
+`midlayer`); the last layer's output is what it feeds back. The draft vocabulary is
 the `draft_vocab_size` tokens the target generates most: `d2t[i]` maps draft id i to target id
 `i + d2t[i]`, `t2d` [vocab] marks the target ids it contains.
 
@@ -41,6 +44,7 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 EMBED_KEY = "embed_tokens.weight"
 INIT_STD = 0.02  # Llama's initializer_range
+MAX_LAYERS = 8  # decoder layers a head may stack (a drafter deeper than that is a draft model)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -77,9 +81,13 @@ class Eagle3Config:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...]  # published convention: the input of these target layers
+    num_layers: int = 1  # decoder layers: the midlayer, then num_layers - 1 plain ones
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        if not 1 <= self.num_layers <= MAX_LAYERS:
+            raise ValueError(f"eagle3 config: num_hidden_layers must be in [1, {MAX_LAYERS}], "
+                             f"got {self.num_layers}")
         if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)) or not self.aux_layer_ids:
             raise ValueError(f"eagle3 config: aux layer ids must be ascending and distinct, "
                              f"got {list(self.aux_layer_ids)}")
@@ -91,10 +99,11 @@ class Eagle3Config:
                              f"num_kv_heads {self.num_kv_heads}")
 
     @classmethod
-    def for_target(cls, target: ModelConfig, draft_vocab_size: int,
-                   aux_layer_ids=None, intermediate_size: int | None = None) -> "Eagle3Config":
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, aux_layer_ids=None,
+                   intermediate_size: int | None = None, num_layers: int = 1) -> "Eagle3Config":
         """A head shaped like one layer of `target` (EAGLE-3 copies the target's widths); a
-        wider MLP (`intermediate_size`) keeps the published layout, so vLLM/SGLang load it."""
+        wider MLP (`intermediate_size`) keeps the published layout, so vLLM/SGLang load it;
+        `num_layers` > 1 stacks plain decoder layers after the first."""
         return cls(
             hidden_size=target.hidden_size, num_heads=target.num_heads,
             num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
@@ -104,7 +113,8 @@ class Eagle3Config:
             max_position_embeddings=target.max_position_embeddings,
             vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size,
             target_hidden_size=target.hidden_size,
-            aux_layer_ids=aux_layer_ids or default_aux_layer_ids(target.num_layers))
+            aux_layer_ids=aux_layer_ids or default_aux_layer_ids(target.num_layers),
+            num_layers=num_layers)
 
     @property
     def num_features(self) -> int:
@@ -119,7 +129,7 @@ class Eagle3Config:
             "rms_norm_eps": float(f"{self.rms_norm_eps:.6g}"), "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "num_hidden_layers": 1, "target_hidden_size": self.target_hidden_size,
+            "num_hidden_layers": self.num_layers, "target_hidden_size": self.target_hidden_size,
             "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float16",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},
@@ -132,9 +142,10 @@ class Eagle3Config:
         if "eagle3" not in arch.lower():
             raise ValueError(f"eagle3 head: config.json architecture {arch!r} is not an "
                              f"EAGLE-3 head (expected {ARCHITECTURE})")
-        if int(hf.get("num_hidden_layers", 1)) != 1:
-            raise ValueError(f"eagle3 head: {hf['num_hidden_layers']} decoder layers; "
-                             f"only one-layer heads are supported")
+        num_layers = int(hf.get("num_hidden_layers", 1))
+        if not 1 <= num_layers <= MAX_LAYERS:
+            raise ValueError(f"eagle3 head: config.json has {num_layers} decoder layers "
+                             f"(num_hidden_layers); supported: 1 to {MAX_LAYERS}")
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
         aux = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -150,7 +161,8 @@ class Eagle3Config:
             vocab_size=int(hf["vocab_size"]),
             draft_vocab_size=int(hf.get("draft_vocab_size") or hf["vocab_size"]),
             target_hidden_size=int(hf.get("target_hidden_size") or hidden),
-            aux_layer_ids=aux or default_aux_layer_ids(target.num_layers))
+            aux_layer_ids=aux or default_aux_layer_ids(target.num_layers),
+            num_layers=num_layers)
 
     def check_fits(self, target: ModelConfig) -> None:
         """ValueError naming the first way this head does not fit `target`."""
@@ -179,8 +191,9 @@ class Eagle3Head(nn.Module):
     Parameters (published names): fc [d, n_feat * d]; midlayer norms [d] (input_layernorm
     on the embedding, hidden_norm on the hidden); q_proj [H * hd, 2d], k_proj / v_proj
     [KV * hd, 2d], o_proj [d, H * hd]; MLP gate/up [I, d], down [d, I]; norm [d];
-    lm_head [draft_vocab, d]. Buffers: d2t [draft_vocab] int64, t2d [vocab] bool. The token
-    embedding [vocab, d] is the target's (`use_target_embedding`) unless the checkpoint has one.
+    lm_head [draft_vocab, d]; with more layers, layers.i.* (i >= 1) as a Llama decoder layer
+    (q/k/v read d). Buffers: d2t [draft_vocab] int64, t2d [vocab] bool. The token embedding
+    [vocab, d] is the target's (`use_target_embedding`) unless the checkpoint has one.
     """
 
     def __init__(self, config: Eagle3Config):
@@ -188,20 +201,9 @@ class Eagle3Head(nn.Module):
         c = self.config = config
         d, two_d = c.hidden_size, 2 * c.hidden_size
         self.fc = nn.Linear(c.num_features * c.target_hidden_size, d, bias=False)
-        self.midlayer = nn.Module()
-        m = self.midlayer
-        m.input_layernorm = _Norm(d, c.rms_norm_eps)
-        m.hidden_norm = _Norm(d, c.rms_norm_eps)
-        m.post_attention_layernorm = _Norm(d, c.rms_norm_eps)
-        m.self_attn = nn.Module()
-        m.self_attn.q_proj = nn.Linear(two_d, c.num_heads * c.head_dim, bias=False)
-        m.self_attn.k_proj = nn.Linear(two_d, c.num_kv_heads * c.head_dim, bias=False)
-        m.self_attn.v_proj = nn.Linear(two_d, c.num_kv_heads * c.head_dim, bias=False)
-        m.self_attn.o_proj = nn.Linear(c.num_heads * c.head_dim, d, bias=False)
-        m.mlp = nn.Module()
-        m.mlp.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
-        m.mlp.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
-        m.mlp.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+        self.midlayer = _decoder_layer(c, two_d, hidden_norm=True)
+        # layers.1 ... : nn.ModuleDict keyed "1".. so the checkpoint names read layers.i.*
+        self.layers = nn.ModuleDict({str(i): _decoder_layer(c, d) for i in range(1, c.num_layers)})
         self.norm = _Norm(d, c.rms_norm_eps)
         self.lm_head = nn.Linear(d, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
@@ -216,13 +218,15 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def random(cls, target_config: ModelConfig, draft_vocab_ids, seed: int = 0,
-               aux_layer_ids=None, intermediate_size: int | None = None) -> "Eagle3Head":
+               aux_layer_ids=None, intermediate_size: int | None = None,
+               num_layers: int = 1) -> "Eagle3Head":
         """A randomly initialised head (Llama's N(0, 0.02), unit norms) whose draft vocabulary
         is `draft_vocab_ids` (target ids; sorted here, as published heads keep them); its MLP
-        is the target's width unless `intermediate_size` says otherwise."""
+        is the target's width unless `intermediate_size` says otherwise; `num_layers` decoder
+        layers."""
         ids = torch.as_tensor(draft_vocab_ids, dtype=torch.int64).unique()  # sorted
         head = cls(Eagle3Config.for_target(target_config, len(ids), aux_layer_ids,
-                                           intermediate_size))
+                                           intermediate_size, num_layers))
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in head.named_parameters():
@@ -306,6 +310,10 @@ class Eagle3Head(nn.Module):
     # ---- the per-step maths --------------------------------------------------------------------
 
     @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
     def capture_layers(self) -> tuple[int, ...]:
         """Target layers whose output the engine captures, ascending, in the order fc reads."""
         return aux_to_capture_layers(self.config.aux_layer_ids)
@@ -336,6 +344,21 @@ class Eagle3Head(nn.Module):
         v = a.v_proj(x).view(num_tokens, c.num_kv_heads, c.head_dim)
         return q, k, v, hidden  # the residual carries the hidden, not the embedding
 
+    def project_qkv_at(self, layer: int, embeds: torch.Tensor, hidden: torch.Tensor):
+        # embeds [T, d] (read by layer 0 only); hidden [T, d] what the layer reads
+        """Layer `layer`'s q, k, v and residual: layer 0 is `project_qkv`, a further layer reads
+        the output of the one before (a Llama decoder layer's input norm, residual = hidden)."""
+        if layer == 0:
+            return self.project_qkv(embeds, hidden)
+        c, m = self.config, self.layers[str(layer)]
+        x = m.input_layernorm(hidden)  # [T, d]
+        a = m.self_attn
+        num_tokens = x.shape[0]
+        q = a.q_proj(x).view(num_tokens, c.num_heads, c.head_dim)
+        k = a.k_proj(x).view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = a.v_proj(x).view(num_tokens, c.num_kv_heads, c.head_dim)
+        return q, k, v, hidden
+
     def apply_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x [T, heads, hd]; positions [T] -> [T, heads, hd], HF rotate_half (kernels.rope)
         cos = self.rope_cos[positions].unsqueeze(1)  # [T, 1, hd]
@@ -344,7 +367,11 @@ class Eagle3Head(nn.Module):
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # attn [T, H * hd] attention output; residual [T, d] -> h_out [T, d] (pre final norm)
-        m = self.midlayer
+        return self.finish_at(0, attn, residual)
+
+    def finish_at(self, layer: int, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # attn [T, H * hd]; residual [T, d] -> layer `layer`'s output [T, d]
+        m = self.midlayer if layer == 0 else self.layers[str(layer)]
         r = residual + m.self_attn.o_proj(attn)
         x = m.post_attention_layernorm(r)
         return r + m.mlp.down_proj(F.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
@@ -383,6 +410,43 @@ class _Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def _decoder_layer(c: Eagle3Config, in_dim: int, hidden_norm: bool = False) -> nn.Module:
+    """A Llama decoder layer's parameters (published names) whose q/k/v read `in_dim`; the
+    midlayer's `hidden_norm` too (registered in the published order: a head's parameters, and
+    so a seed's random init and an optimizer checkpoint, keep their order)."""
+    d = c.hidden_size
+    m = nn.Module()
+    m.input_layernorm = _Norm(d, c.rms_norm_eps)
+    if hidden_norm:
+        m.hidden_norm = _Norm(d, c.rms_norm_eps)
+    m.post_attention_layernorm = _Norm(d, c.rms_norm_eps)
+    m.self_attn = nn.Module()
+    m.self_attn.q_proj = nn.Linear(in_dim, c.num_heads * c.head_dim, bias=False)
+    m.self_attn.k_proj = nn.Linear(in_dim, c.num_kv_heads * c.head_dim, bias=False)
+    m.self_attn.v_proj = nn.Linear(in_dim, c.num_kv_heads * c.head_dim, bias=False)
+    m.self_attn.o_proj = nn.Linear(c.num_heads * c.head_dim, d, bias=False)
+    m.mlp = nn.Module()
+    m.mlp.gate_proj = nn.Linear(d, c.intermediate_size, bias=False)
+    m.mlp.up_proj = nn.Linear(d, c.intermediate_size, bias=False)
+    m.mlp.down_proj = nn.Linear(c.intermediate_size, d, bias=False)
+    return m
+
+
+def run_layers(head, embeds: torch.Tensor, hidden: torch.Tensor, attend) -> torch.Tensor:
+    # embeds [T, d] token embeddings; hidden [T, d] fused feature or previous output
+    """A head's decoder layers over T rows -> h_out [T, d] (before the final norm).
+    `attend(layer, q, k, v)` -> [T, H * hd] is the caller's attention for that layer (its own
+    keys: a paged cache's layer at inference, the unrolled steps' in training; q and k not
+    rotated yet). Heads without `num_layers` (MTP) have one."""
+    if getattr(head, "num_layers", 1) == 1:
+        q, k, v, residual = head.project_qkv(embeds, hidden)
+        return head.finish(attend(0, q, k, v), residual)
+    for layer in range(head.num_layers):
+        q, k, v, residual = head.project_qkv_at(layer, embeds, hidden)
+        hidden = head.finish_at(layer, attend(layer, q, k, v), residual)
+    return hidden
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,7 +56,9 @@ from speculant.engine.kv_cache import KV_DTYPES, CacheFullError, KVCache
 from speculant.kernels import paged_attention
 from speculant.kernels.argmax import row_argmax
 from speculant.kernels.huge_pages import move_to_huge_pages
-from speculant.kernels.kv_layout import write_kv
+from speculant.kernels.kv_layout import native_block_size, write_kv
+from speculant.models.eagle3_head import run_layers
+from speculant.models.eagle3_layer import further_layer_stack
 from speculant.models.packed_head import pack_linears, packed_tensors, resolve_head_weights
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, StepFeatures,
@@ -268,7 +270,8 @@ class FeatureDrafter(Speculator):
         self.hidden_layers = tuple(head.capture_layers)
         hc = head.config
         kv_dtype, block_size = drafter_cache_kind(config, ctx.kv_dtype, hc.head_dim)
-        self.cache = KVCache(1, hc.num_kv_heads, hc.head_dim,
+        self.num_layers = getattr(head, "num_layers", 1)  # decoder layers: one KV cache each
+        self.cache = KVCache(self.num_layers, hc.num_kv_heads, hc.head_dim,
                              -(-config.kv_cache_tokens // block_size), block_size,
                              KV_DTYPES[kv_dtype], ctx.device)
         self.max_positions = min(ctx.max_seq_len, hc.max_position_embeddings)
@@ -287,6 +290,10 @@ class FeatureDrafter(Speculator):
         # (packed) weights; else the reference maths op by op
         packed = getattr(head, "packed_layer", None)
         self.packed_layer = packed() if packed is not None else None
+        # a deeper head's further layers on the target's native decoder stack (None: op by op)
+        self.further_stack = further_layer_stack(head) \
+            if self.packed_layer is not None and self.num_layers > 1 \
+            and native_block_size(self.cache.block_size) else None
         # its packed weights on 2 MB pages, as the target's (kernels/huge_pages.py)
         move_to_huge_pages(packed_tensors(head) + (
             [t for t in self.packed_layer.weights if isinstance(t, torch.Tensor)]
@@ -629,15 +636,20 @@ class FeatureDrafter(Speculator):
 
     def _run_layer(self, batch: ForwardBatch, hidden: torch.Tensor,
                    logits_rows: torch.Tensor | None = None):
-        """The head's decoder layer over the ragged batch, its K/V written to the paged cache:
-        (h_out [T, hidden], the draft logits of rows `logits_rows` when the packed layer
-        computes them in the same call, else None; and then, greedy, their picks [(col,
-        prob)], else None). The packed layer looks the tokens up itself when it has the
-        target's token table, and picks in the same call (`row_argmax`'s answer)."""
+        """The head's decoder layers over the ragged batch, each one's K/V written to its
+        layer of the paged cache: (h_out [T, hidden], the draft logits of rows `logits_rows`
+        when the packed layer computes them in the same call, else None; and then, greedy,
+        their picks [(col, prob)], else None). The packed layer looks the tokens up itself when
+        it has the target's token table, and picks in the same call (`row_argmax`'s answer).
+        A head of more layers runs its first on the packed layer and the others after it
+        (`_further_layers`); its logits are then the caller's (`_draft_logits`)."""
         head, layer = self.head, self.packed_layer
         if layer is not None:
             inputs = batch.token_ids if layer.embed_table is not None \
                 else head.embed(batch.token_ids)  # [T] ids or [T, hidden]
+            if self.num_layers > 1:
+                h_out = layer(inputs, hidden, batch, self.cache.k[0], self.cache.v[0])[0]
+                return self._further_layers(batch, h_out), None, None
             pick = logits_rows is not None and self.config.temperature == 0.0
             h_out, logits, cols, probs = layer(inputs, hidden, batch, self.cache.k[0],
                                                self.cache.v[0], logits_rows, pick)
@@ -645,15 +657,32 @@ class FeatureDrafter(Speculator):
                 return h_out, None, None
             return h_out, logits, list(zip(cols.tolist(), probs.tolist())) if pick else None
         embeds = head.embed(batch.token_ids)  # [T, hidden]
-        q, k, v, residual = head.project_qkv(embeds, hidden.to(embeds.dtype))
-        q = head.apply_rope(q, batch.positions)  # [T, H, hd]
-        k = head.apply_rope(k, batch.positions)  # [T, KV, hd]
-        k_cache, v_cache = self.cache.k[0], self.cache.v[0]
+        return run_layers(head, embeds, hidden.to(embeds.dtype),
+                          lambda i, q, k, v: self._paged_attention(i, batch, q, k, v)), None, None
+
+    def _further_layers(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Layers 1.. of a deeper head over the batch, fed layer 0's output `hidden` [T, d]
+        (natively where `further_stack` runs, else op by op)."""
+        if self.further_stack is not None:
+            return self.packed_layer.further_layers(hidden, self.further_stack, batch,
+                                                    self.cache.k[1:], self.cache.v[1:])
+        for i in range(1, self.num_layers):
+            q, k, v, residual = self.head.project_qkv_at(i, None, hidden)
+            hidden = self.head.finish_at(i, self._paged_attention(i, batch, q, k, v), residual)
+        return hidden
+
+    def _paged_attention(self, layer: int, batch: ForwardBatch, q: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q [T, H, hd], k / v [T, KV, hd] not rotated -> [T, H * hd]; K/V written to `layer`
+        head = self.head
+        q = head.apply_rope(q, batch.positions)
+        k = head.apply_rope(k, batch.positions)
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         write_kv(k_cache, v_cache, batch.slot_mapping, k, v)
         attn = paged_attention(q.contiguous().float(), k_cache, v_cache, batch.block_tables,
                                batch.token_seq, batch.positions_i32(),
                                head.config.head_dim ** -0.5)  # [T, H, hd]
-        return head.finish(attn.reshape(attn.shape[0], -1), residual), None, None
+        return attn.reshape(attn.shape[0], -1)
 
     def _draft_logits(self, h_out: torch.Tensor) -> torch.Tensor:
         """h_out [R, hidden] -> draft logits [R, draft_vocab], on the packed layer's kernels

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from speculant.models.eagle3_head import rms_norm
+from speculant.models.eagle3_head import rms_norm, run_layers
 from speculant.speculators.calibration import first_token_table
 from speculant.training.head_batches import Row, heldout_rows, row_stream
 from speculant.training.head_kinds import HEAD_KINDS, TargetParts
@@ -42,15 +42,20 @@ def unroll(head, row: Row, layers, num_steps: int):
     that distribution and the target generated the predicted token."""
     mask = row_mask(row.doc_ids)  # [T, T]
     hidden = head.fuse(row.features(layers))  # [T, d]
-    keys, values, out = [], [], []
+    num_layers = getattr(head, "num_layers", 1)
+    # per decoder layer, the rotated keys and values of every step so far
+    keys, values = [[] for _ in range(num_layers)], [[] for _ in range(num_layers)]
+    out = []
     for j in range(num_steps):
         idx, inside = row.shifted(1 + j)
-        q, k, v, residual = head.project_qkv(head.embed(row.token_ids[idx]), hidden)
         pos = row.positions + 1 + j  # rope position of the token read at this step
-        keys.append(head.apply_rope(k, pos))
-        values.append(v)
-        attn = ttt_attention(head.apply_rope(q, pos), keys, values, mask)
-        hidden = head.finish(attn, residual)
+
+        def attend(layer, q, k, v, pos=pos):
+            keys[layer].append(head.apply_rope(k, pos))
+            values[layer].append(v)
+            return ttt_attention(head.apply_rope(q, pos), keys[layer], values[layer], mask)
+
+        hidden = run_layers(head, head.embed(row.token_ids[idx]), hidden, attend)
         valid = inside & row.has_feature & row.has_feature[idx] & row.next_is_output[idx]
         out.append((hidden, idx, valid))
     return out
@@ -106,7 +111,9 @@ def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | No
     `head`'s own init. Where the heads read different target layers, the parameter with one
     column block per layer (`layer_columns`) is remapped by layer (`remap_layer_columns`).
     Where `head`'s MLP is wider, its hidden units' rows (`mlp_rows`) and columns
-    (`mlp_columns`) are widened (`widen_units`). Returns counts for the recipe."""
+    (`mlp_columns`) are widened (`widen_units`). Where `head` has more decoder layers, the
+    added ones (absent from `start`) keep their init with their output projections at zero
+    (`deepen`). Returns counts for the recipe."""
     layers_old, layers_new = tuple(start.capture_layers), tuple(head.capture_layers)
     info = {}
     if layers_old != layers_new:
@@ -121,9 +128,17 @@ def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | No
     src_rows = slot[ids_new]  # [draft_vocab] row of `start` per new row, -1 when absent
     kept = src_rows >= 0
     old = dict(start.named_parameters())
+    depth_old, depth_new = getattr(start, "num_layers", 1), getattr(head, "num_layers", 1)
+    if depth_old > depth_new:
+        raise ValueError(f"train-head: --init-head has {depth_old} decoder layers, this head "
+                         f"{depth_new} (a head can only deepen: --head-layers >= {depth_old})")
+    if depth_new > depth_old:
+        info["layers_added"] = {"init_head": depth_old, "head": depth_new}
     with torch.no_grad():
         for name, p in head.named_parameters():
-            if name in vocab_rows:
+            if name not in old:
+                deepen(name, p)
+            elif name in vocab_rows:
                 p[kept] = old[name][src_rows[kept]].to(p.dtype)
             elif name == layer_columns and layers_old != layers_new:
                 p.copy_(remap_layer_columns(old[name], layers_old, layers_new))
@@ -138,6 +153,39 @@ def warm_start(head, start, vocab_rows: tuple[str, ...], layer_columns: str | No
             else:
                 p.copy_(old[name])
     return {"kept_vocab_rows": int(kept.sum()), "new_vocab_rows": int((~kept).sum()), **info}
+
+
+# the parameters of an added decoder layer that write into the residual stream
+LAYER_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def deepen(name: str, p: torch.nn.Parameter) -> None:
+    """A parameter of a decoder layer the warm start lacks (`layers.i.*`): its writes into the
+    residual stream (`LAYER_OUTPUTS`) start at zero, so the deeper head computes what the start
+    computed (each added layer passes its input through) and training grows the layer from
+    there (its gradients flow: only its output weights are zero); the rest keep their init."""
+    if not name.startswith("layers."):
+        raise ValueError(f"train-head: --init-head has no {name} (not a head of this kind?)")
+    if name.endswith(LAYER_OUTPUTS):
+        p.zero_()
+
+
+def head_depth(asked: int, kind, start, checkpoint: dict | None) -> int:
+    """The head's decoder layers: those of the checkpoint a run resumes (another --head-layers
+    is refused), else --head-layers, else --init-head's, else 1 (always, for a kind that does
+    not stack layers)."""
+    if not kind.deepens:
+        return 1
+    if checkpoint is not None:
+        have = 1 + len({key.split(".")[1] for key in checkpoint["head"]
+                        if key.startswith("layers.")})
+        if asked and asked != have:
+            raise ValueError(f"train-head: the checkpoint in --out has {have} decoder layers, "
+                             f"--head-layers asks for {asked} (--fresh starts over)")
+        return have
+    if asked:
+        return asked
+    return int(getattr(start, "num_layers", 1)) if start is not None else 1
 
 
 def widen_units(fresh: torch.Tensor, weight: torch.Tensor, dim: int, name: str) -> torch.Tensor:
@@ -302,7 +350,8 @@ class HeadFit:
             kept = start.draft_to_target(torch.arange(start.config.draft_vocab_size))
             ids = extend_vocab(kept, self.counts, cfg.draft_vocab, eos_id)
         width = mlp_width(cfg.head_intermediate, self.kind, start, self.checkpoint)
-        self.head = self.kind.new_head(cfg, tc, parts, ids, width)
+        depth = head_depth(cfg.head_layers, self.kind, start, self.checkpoint)
+        self.head = self.kind.new_head(cfg, tc, parts, ids, width, depth)
         if start is not None:
             self.warm_info = {"from": cfg.init_head, **_recipe_summary(cfg.init_head),
                               **warm_start(self.head, start, self.kind.vocab_rows,

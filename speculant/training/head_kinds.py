@@ -59,9 +59,10 @@ class HeadKind(ABC):
 
     @abstractmethod
     def new_head(self, cfg, target_config, parts: TargetParts, draft_ids: torch.Tensor,
-                 intermediate_size: int | None = None):
+                 intermediate_size: int | None = None, num_layers: int = 1):
         """The head at the start of training; `draft_ids` [draft_vocab] ascending target ids;
-        `intermediate_size` its MLP's width where the kind has `mlp_rows` (None: the target's)."""
+        `intermediate_size` its MLP's width where the kind has `mlp_rows` (None: the target's);
+        `num_layers` its decoder layers (a kind with `deepens` only; else 1)."""
 
     @abstractmethod
     def describe(self, head) -> dict:
@@ -80,6 +81,8 @@ class HeadKind(ABC):
     # takes --head-intermediate, and a warm start may widen them (`head_fit.widen_units`)
     mlp_rows: tuple[str, ...] = ()
     mlp_columns: tuple[str, ...] = ()
+    # whether the kind stacks decoder layers (--head-layers; a warm start may deepen)
+    deepens: bool = False
 
 
 class Eagle3Kind(HeadKind):
@@ -90,9 +93,9 @@ class Eagle3Kind(HeadKind):
         return aux_to_capture_layers(aux)
 
     def new_head(self, cfg, target_config, parts: TargetParts, draft_ids: torch.Tensor,
-                 intermediate_size: int | None = None) -> Eagle3Head:
+                 intermediate_size: int | None = None, num_layers: int = 1) -> Eagle3Head:
         head = Eagle3Head.random(target_config, draft_ids, cfg.seed, cfg.aux_layers,
-                                 intermediate_size)
+                                 intermediate_size, num_layers)
         head.use_target_embedding(parts.embed)
         with torch.no_grad():  # start from the target's own output layer on the draft vocabulary
             head.lm_head.weight.copy_(parts.lm_head[draft_ids])
@@ -102,6 +105,7 @@ class Eagle3Kind(HeadKind):
     def describe(self, head: Eagle3Head) -> dict:
         return {"aux_layer_ids": list(head.config.aux_layer_ids),
                 "intermediate_size": int(head.config.intermediate_size),
+                "num_layers": int(head.num_layers),
                 "lm_head": "draft-vocabulary rows, trained from the target's"}
 
     def load_head(self, path: str, target_config, parts: TargetParts) -> Eagle3Head:
@@ -111,6 +115,7 @@ class Eagle3Kind(HeadKind):
     layer_columns = "fc.weight"
     mlp_rows = ("midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight")
     mlp_columns = ("midlayer.mlp.down_proj.weight",)
+    deepens = True
 
 
 class MtpKind(HeadKind):
@@ -120,7 +125,7 @@ class MtpKind(HeadKind):
         return (target_config.num_layers - 1,)  # as MtpHead.capture_layers
 
     def new_head(self, cfg, target_config, parts: TargetParts, draft_ids: torch.Tensor,
-                 intermediate_size: int | None = None) -> MtpHead:
+                 intermediate_size: int | None = None, num_layers: int = 1) -> MtpHead:
         head = MtpHead.random(target_config, cfg.seed)
         with torch.no_grad():
             head.shared_head_norm.weight.copy_(parts.final_norm)

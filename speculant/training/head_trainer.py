@@ -42,6 +42,7 @@ REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 DEFAULT_PROMPTS = os.path.normpath(os.path.join(REPO_DIR, "..", "shared", "data", "prompts_dev.jsonl"))
 KINDS = ("eagle3", "mtp")  # the keys of head_kinds.HEAD_KINDS (that module imports torch)
 TRAIN_DTYPES = ("auto", "bfloat16", "float32")
+MAX_LAYERS = 8  # models.eagle3_head.MAX_LAYERS (that module imports torch)
 TRAIN_CATEGORIES = ("gsm8k", "code_completion")  # the only dev categories that are not judged
 HELDOUT_CATEGORIES = ("mt_bench", "qa", "math_reasoning", "translation")
 CACHE_DIRNAME = "head_cache"  # default --data-dir inside --out
@@ -77,6 +78,10 @@ class HeadTrainConfig:
     # or --init-head), else the target's width. Wider than the --init-head is a warm start that
     # computes the same at step 0 (the added units write nothing until trained)
     head_intermediate: int = 0
+    # decoder layers of the head (eagle3); 0 = those of the head this run continues, else 1.
+    # Deeper than the --init-head is a warm start that computes the same at step 0 (the added
+    # layers write nothing until trained)
+    head_layers: int = 0
     ttt_steps: int = 3
     seq_len: int = 1024  # tokens per packed training row
     batch_size: int = 2  # rows per optimizer step
@@ -112,6 +117,11 @@ class HeadTrainConfig:
             raise ValueError(f"train-head: --head-intermediate is an eagle3 option and must be "
                              f">= 0 (0 = the width of the head continued, else the target's), "
                              f"got {self.head_intermediate} with --kind {self.kind}")
+        if not 0 <= self.head_layers <= MAX_LAYERS or (self.head_layers > 1
+                                                         and self.kind != "eagle3"):
+            raise ValueError(f"train-head: --head-layers is an eagle3 option and must be in "
+                             f"[0, {MAX_LAYERS}] (0 = the depth of the head continued, else 1), "
+                             f"got {self.head_layers} with --kind {self.kind}")
         if not 0.0 <= self.train_prompts_share < 1.0:
             raise ValueError(f"train-head: --train-prompts-share must be in [0, 1), got "
                              f"{self.train_prompts_share}")

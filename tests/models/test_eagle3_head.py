@@ -143,3 +143,73 @@ def test_one_step_equals_a_reference_llama_layer_on_the_concatenated_input():
     expected = r + m.mlp.down_proj(torch.nn.functional.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
     torch.testing.assert_close(out, expected)
     assert head.draft_logits(out).shape == (1, 6)
+
+
+def test_a_deeper_head_writes_its_further_layers_as_layers_i(tmp_path):
+    """A head of 3 decoder layers (`train-head --head-layers 3`) keeps the published names of
+    the first (`midlayer.*`) and writes the others as Llama decoder layers reading d,
+    `layers.1.*` and `layers.2.*` (the convention that calls the first `layers.0`), with
+    `num_hidden_layers` 3; it loads back bit-exact."""
+    head = Eagle3Head.random(TARGET, DRAFT_IDS, seed=1, num_layers=3)
+    head.save(str(tmp_path), dtype=torch.float32)
+    tensors = load_file(os.path.join(str(tmp_path), "model.safetensors"))
+    further = {k: list(v.shape) for k, v in tensors.items() if k.startswith("layers.")}
+    per_layer = {"input_layernorm.weight": [32], "self_attn.q_proj.weight": [32, 32],
+                 "self_attn.k_proj.weight": [16, 32], "self_attn.v_proj.weight": [16, 32],
+                 "self_attn.o_proj.weight": [32, 32], "post_attention_layernorm.weight": [32],
+                 "mlp.gate_proj.weight": [64, 32], "mlp.up_proj.weight": [64, 32],
+                 "mlp.down_proj.weight": [32, 64]}
+    assert further == {f"layers.{i}.{k}": v for i in (1, 2) for k, v in per_layer.items()}
+    assert {k: list(v.shape) for k, v in tensors.items()
+            if not k.startswith("layers.")} == PUBLISHED_KEYS
+    with open(os.path.join(str(tmp_path), "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == 3
+    loaded = Eagle3Head.load(str(tmp_path), TARGET)
+    assert loaded.num_layers == 3
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("layers", [0, 9])
+def test_load_refuses_a_layer_count_it_cannot_run(saved_head, layers):
+    _, path = saved_head
+    edit_config(path, num_hidden_layers=layers)
+    with pytest.raises(ValueError, match=f"{layers} decoder layers"):
+        Eagle3Head.load(path, TARGET)
+
+
+def test_load_refuses_a_deeper_config_than_its_weights(saved_head):
+    """config.json says two layers, the weights hold one: the missing tensors are named."""
+    _, path = saved_head
+    edit_config(path, num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"missing tensors \['layers\.1\."):
+        Eagle3Head.load(path, TARGET)
+
+
+def test_a_further_layer_is_a_llama_decoder_layer_on_the_first_ones_output():
+    """run_layers over one token: layer 0 is the EAGLE-3 step, layer 1 a plain Llama layer on
+    its output (q/k/v read input_norm(h), residual h); each layer attends with its own keys."""
+    from speculant.models.eagle3_head import run_layers
+
+    torch.manual_seed(0)
+    head = Eagle3Head.random(TARGET, DRAFT_IDS, seed=2, num_layers=2)
+    head.use_target_embedding(torch.randn(100, 32))
+    hidden = head.fuse(torch.randn(1, 96))
+    embeds = head.embed(torch.tensor([5]))
+    seen = []
+
+    def attend(layer, q, k, v):  # one key: the softmax weight is 1, the output is v
+        seen.append((layer, q.shape, k.shape))
+        return v.repeat_interleave(2, dim=1).reshape(1, 32)
+
+    out = run_layers(head, embeds, hidden, attend)
+    q, k, v, residual = head.project_qkv(embeds, hidden)
+    h0 = head.finish(v.repeat_interleave(2, dim=1).reshape(1, 32), residual)
+    m = head.layers["1"]
+    v1 = m.self_attn.v_proj(m.input_layernorm(h0)).view(1, 2, 8)
+    r = h0 + m.self_attn.o_proj(v1.repeat_interleave(2, dim=1).reshape(1, 32))
+    x = m.post_attention_layernorm(r)
+    expected = r + m.mlp.down_proj(torch.nn.functional.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
+    torch.testing.assert_close(out, expected)
+    assert [s[0] for s in seen] == [0, 1]
+    assert all(s[1] == (1, 4, 8) and s[2] == (1, 2, 8) for s in seen)

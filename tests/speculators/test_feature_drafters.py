@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import TEST_THREADS, decode_all
 from speculant.engine.engine import Engine
 from speculant.engine.sampling_params import SamplingParams, SpecParams
-from speculant.models.eagle3_head import Eagle3Head
+from speculant.models.eagle3_head import Eagle3Head, run_layers
 from speculant.models.mtp_head import MtpHead
 from speculant.kernels.kv_layout import gather_k, gather_v
 
@@ -114,14 +114,17 @@ def reference_first_draft(head, features: dict, token_ids: list[int]) -> int:
     raw = torch.cat([features[i] for i in head.capture_layers], dim=-1)  # [N, n_feat * d]
     hidden = head.fuse(raw)
     ids = torch.tensor(token_ids[1:])
-    q, k, v, residual = head.project_qkv(head.embed(ids), hidden)
     pos = torch.arange(len(ids))
-    q, k = head.apply_rope(q, pos), head.apply_rope(k, pos)
-    group = q.shape[1] // k.shape[1]
-    attn = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-        v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
-    h_out = head.finish(attn.reshape(len(ids), -1), residual)
+
+    def attend(layer, q, k, v):  # every layer: causal over the whole sequence, its own keys
+        q, k = head.apply_rope(q, pos), head.apply_rope(k, pos)
+        group = q.shape[1] // k.shape[1]
+        attn = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+            v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+        return attn.reshape(len(ids), -1)
+
+    h_out = run_layers(head, head.embed(ids), hidden, attend)
     col = int(head.draft_logits(h_out[-1:]).argmax())
     return int(head.draft_to_target(torch.tensor(col)))
 
@@ -881,3 +884,46 @@ def test_mtp_loads_gguf_nextn_tensors(tmp_path, target_config):
     loaded = MtpHead.load(path, target_config)
     for (name, a), (_, b) in zip(head.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), name
+
+
+@torch.inference_mode()
+def test_a_two_layer_head_drafts_through_both_layers(tmp_path, target_config):
+    """A head of two decoder layers (`train-head --head-layers 2`) keeps a KV cache per layer:
+    its first draft after the prompt is the head's own full-sequence maths through both
+    layers, the packed path (first layer native, the second op by op) gives the reference
+    path's outputs on a ragged batch, and greedy output with multi-token drafts equals plain."""
+    from speculant.llm import LLM
+
+    path = str(tmp_path / "deep")
+    engine = engine_with_head(path, Eagle3Head.random(
+        target_config, torch.arange(0, target_config.vocab_size, 7), seed=5, num_layers=2))
+    probe = engine.speculator("eagle3")
+    assert probe.head.num_layers == 2 and len(probe.cache.k) == 2
+    if probe.packed_layer is not None:
+        _, hidden, ids = packed_layer_probe(engine, 7, seed=2)
+        layer, cache = probe.packed_layer, probe.cache
+        outs = []
+        for seq_id, packed in ((10**6, layer), (10**6 + 1, None)):
+            probe.packed_layer = packed
+            try:
+                with ragged_batch(cache, seq_id, ids, 4) as batch:
+                    outs.append((probe._run_layer(batch, hidden.clone())[0],
+                                 gather_k(cache.k[1], batch.slot_mapping,
+                                          cache.block_size).float()))
+            finally:
+                probe.packed_layer = layer
+        for fast, ref in zip(*outs):
+            assert torch.allclose(fast, ref, atol=1e-4, rtol=1e-4), (fast - ref).abs().max()
+    engine.chain.probe_interval = 0
+    prompts = chats(engine, ["Name a colour.", "Count from one to five."])
+    with first_drafts(probe) as drafted:
+        spec = decode_all(engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                          spec=SpecParams(n_max=3)))
+    plain = decode_all(engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                       spec=SpecParams(enabled=False)))
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert drafted, "the head never drafted"
+    history, first = drafted[0]
+    features = LLM.from_engine(engine).hidden_states(history[:-1], probe.hidden_layers)
+    assert first == reference_first_draft(probe.head, features, history)
+    assert probe.head.num_layers == 2 and engine.chain.stats["eagle3"].num_draft_tokens > 0

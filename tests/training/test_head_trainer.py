@@ -537,3 +537,108 @@ def test_truncated_sharegpt_file_parses_to_the_last_complete_record():
            '{"from": "gpt", "value": "hello"}]\n  },\n  {\n    "id": "b",\n    "conversations": '
            '[{"from": "human", "value": "second"}]\n  },\n  {\n    "id": "c", "conv')
     assert head_data.parse_sharegpt(raw) == ["hi", "second"]
+
+
+def test_a_deeper_head_warm_started_from_a_trained_one_agrees_as_it_did(tiny_head, tmp_path):
+    """--init-head with --head-layers 2: the held-out agreement at init is the trained
+    one-layer head's (the added layer passes its input through), the recipe records both
+    depths, the saved head has two layers, trains (the added layer's output weights leave
+    zero) and a second sitting resumes at that depth; another depth is then refused."""
+    kind, out, recipe, prompts = tiny_head
+    if kind != "eagle3":
+        pytest.skip("--head-layers is an eagle3 option")
+    new = str(tmp_path / "deep")
+    common = ("--kind", kind, "--data-dir", os.path.join(out, "head_cache"), "--prompts",
+              prompts, *TINY)
+    assert train_head(*common, "--out", new, "--steps", "0", "--time-budget-min", "0",
+                      "--init-head", out, "--head-layers", "2") == 0
+    with open(os.path.join(new, "recipe.json")) as f:
+        deep = json.load(f)
+    assert deep["head"]["num_layers"] == 2
+    assert deep["init_head"]["layers_added"] == {"init_head": 1, "head": 2}
+    assert deep["heldout"]["agreement_init"] == recipe["heldout"]["first_token_agreement"]
+    with open(os.path.join(new, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == 2
+    assert train_head(*common, "--out", new, "--steps", "2") == 0  # resumes, depth kept
+    from safetensors.torch import load_file
+
+    tensors = load_file(os.path.join(new, "model.safetensors"))
+    assert tensors["layers.1.self_attn.o_proj.weight"].abs().sum() > 0  # trained from zero
+    assert tensors["layers.1.mlp.down_proj.weight"].abs().sum() > 0
+    with pytest.raises(ValueError, match="checkpoint in --out has 2 decoder layers"):
+        train_head(*common, "--out", new, "--steps", "1", "--head-layers", "3")
+
+
+def test_warm_start_into_a_deeper_head_computes_what_the_start_computed():
+    """A two-layer head starts from a one-layer one: the first layer is copied, the added
+    layer keeps its init but writes nothing (zero o_proj and down_proj), so the head's output
+    is the start's; a shallower head than its start is refused by name."""
+    from speculant.models.eagle3_head import Eagle3Head, run_layers
+    from speculant.models.loader import load_model
+    from speculant.training.head_kinds import HEAD_KINDS
+
+    config = load_model("default").config
+    kind = HEAD_KINDS["eagle3"]
+    start = Eagle3Head.random(config, [3, 10, 20], seed=1)
+    deep = Eagle3Head.random(config, [3, 10, 20], seed=2, num_layers=2)
+    fresh_q = deep.layers["1"].self_attn.q_proj.weight.detach().clone()
+    info = warm_start(deep, start, kind.vocab_rows, kind.layer_columns, kind.mlp_rows,
+                      kind.mlp_columns)
+    assert info["layers_added"] == {"init_head": 1, "head": 2}
+    assert torch.equal(deep.midlayer.self_attn.q_proj.weight, start.midlayer.self_attn.q_proj.weight)
+    assert torch.equal(deep.layers["1"].self_attn.q_proj.weight, fresh_q)
+    assert not deep.layers["1"].self_attn.o_proj.weight.any()
+    assert not deep.layers["1"].mlp.down_proj.weight.any()
+    embed = torch.randn(config.vocab_size, config.hidden_size)
+    gen = torch.Generator().manual_seed(0)
+    features = torch.randn(4, 3 * config.hidden_size, generator=gen)
+    token_ids = torch.randint(0, config.vocab_size, (4,), generator=gen)
+
+    def attend(layer, q, k, v):  # any attention: the added layer's output is discarded
+        return q.reshape(q.shape[0], -1) * 0.5
+
+    outs = []
+    for head in (start, deep):
+        head.use_target_embedding(embed)
+        with torch.no_grad():
+            outs.append(run_layers(head, head.embed(token_ids), head.fuse(features), attend))
+    torch.testing.assert_close(outs[1], outs[0])
+    with pytest.raises(ValueError, match="a head can only deepen"):
+        warm_start(start, deep, kind.vocab_rows, kind.layer_columns, kind.mlp_rows,
+                   kind.mlp_columns)
+
+
+def test_head_depth_follows_the_flag_the_start_or_the_checkpoint():
+    from speculant.models.eagle3_head import Eagle3Head
+    from speculant.models.loader import load_model
+    from speculant.training.head_fit import head_depth
+    from speculant.training.head_kinds import HEAD_KINDS
+
+    config = load_model("default").config
+    eagle3, mtp = HEAD_KINDS["eagle3"], HEAD_KINDS["mtp"]
+    deep = Eagle3Head.random(config, [3, 10, 20], seed=2, num_layers=3)
+    assert head_depth(0, eagle3, None, None) == 1
+    assert head_depth(0, eagle3, deep, None) == 3  # --init-head's
+    assert head_depth(4, eagle3, deep, None) == 4
+    checkpoint = {"head": dict(deep.state_dict())}
+    assert head_depth(0, eagle3, None, checkpoint) == 3
+    with pytest.raises(ValueError, match="checkpoint in --out has 3 decoder layers"):
+        head_depth(2, eagle3, None, checkpoint)
+    assert head_depth(0, mtp, deep, None) == 1
+
+
+def test_head_layers_is_an_eagle3_option_within_bounds():
+    parser = argparse.ArgumentParser()
+    add_train_head_args(parser)
+    from speculant.models.eagle3_head import MAX_LAYERS
+    from speculant.training.head_trainer import MAX_LAYERS as TRAINER_MAX_LAYERS, config_from_args
+
+    assert TRAINER_MAX_LAYERS == MAX_LAYERS
+    args = parser.parse_args(["--out", "x", "--kind", "mtp", "--head-layers", "2"])
+    with pytest.raises(ValueError, match="--head-layers is an eagle3 option"):
+        config_from_args(args)
+    for bad in ("-1", str(MAX_LAYERS + 1)):
+        with pytest.raises(ValueError, match=r"must be in \[0, 8\]"):
+            config_from_args(parser.parse_args(["--out", "x", "--head-layers", bad]))
+    assert config_from_args(parser.parse_args(["--out", "x", "--head-layers",
+                                               "2"])).head_layers == 2
