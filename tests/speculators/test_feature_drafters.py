@@ -171,6 +171,15 @@ def test_paged_drafting_equals_the_heads_causal_maths(eagle_engine):
     assert first == reference_first_draft(probe.head, features, history)
 
 
+def assert_greedy_spec_equals_plain(engine, prompts, max_tokens: int, n_max: int) -> None:
+    """Greedy outputs with drafts of up to `n_max` tokens equal those of plain decoding."""
+    spec = decode_all(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                      spec=SpecParams(n_max=n_max)))
+    plain = decode_all(engine, prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                       spec=SpecParams(enabled=False)))
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+
+
 def engine_with_head(path: str, head: Eagle3Head) -> Engine:
     """A 2-sequence engine drafting with `head`, saved (fp32) to `path` first."""
     head.save(path, dtype=torch.float32)
@@ -195,11 +204,7 @@ def test_a_head_reading_four_layers_up_to_the_last_drafts_from_them(tmp_path, ta
     engine.chain.probe_interval = 0
     prompt = chats(engine, ["Name a colour."])[0]
     with first_drafts(probe) as drafted:
-        spec = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
-                                                           spec=SpecParams(n_max=2)))
-    plain = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
-                                                        spec=SpecParams(enabled=False)))
-    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+        assert_greedy_spec_equals_plain(engine, [prompt], max_tokens=12, n_max=2)
     assert drafted, "the head never drafted"
     history, first = drafted[0]
     features = LLM.from_engine(engine).hidden_states(history[:-1], probe.hidden_layers)
@@ -778,11 +783,7 @@ def test_a_head_with_a_wider_mlp_than_the_target_runs_on_the_native_layer(tmp_pa
             (outs[0] - outs[1]).abs().max()
     engine.chain.probe_interval = 0
     prompt = chats(engine, ["Name a colour."])[0]
-    spec = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
-                                                       spec=SpecParams(n_max=2)))
-    plain = decode_all(engine, [prompt], SamplingParams(max_tokens=12, temperature=0.0,
-                                                        spec=SpecParams(enabled=False)))
-    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert_greedy_spec_equals_plain(engine, [prompt], max_tokens=12, n_max=2)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -917,11 +918,7 @@ def test_a_two_layer_head_drafts_through_both_layers(tmp_path, target_config):
     engine.chain.probe_interval = 0
     prompts = chats(engine, ["Name a colour.", "Count from one to five."])
     with first_drafts(probe) as drafted:
-        spec = decode_all(engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
-                                                          spec=SpecParams(n_max=3)))
-    plain = decode_all(engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
-                                                       spec=SpecParams(enabled=False)))
-    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+        assert_greedy_spec_equals_plain(engine, prompts, max_tokens=16, n_max=3)
     assert drafted, "the head never drafted"
     history, first = drafted[0]
     features = LLM.from_engine(engine).hidden_states(history[:-1], probe.hidden_layers)
