@@ -62,11 +62,14 @@ def unroll(head, row: Row, layers, num_steps: int):
 
 
 def target_probs(h_last: torch.Tensor, final_norm: torch.Tensor, label_head: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, temperature: float = 1.0) -> torch.Tensor:
     # h_last [n, d] residual after the target's last layer; label_head [draft_vocab, d]
     """-> [n, draft_vocab]: the target's next-token distribution renormalised on the draft
-    vocabulary (softmax over the draft vocabulary's logits only)."""
-    return torch.softmax(rms_norm(h_last.float(), final_norm, eps) @ label_head.T, dim=-1)
+    vocabulary (softmax over the draft vocabulary's logits only), at `temperature`: 1 is the
+    target's own distribution; below 1 sharpens it towards its argmax, what greedy
+    verification accepts (the head's capacity goes to the top token, not the tail's shape)."""
+    logits = rms_norm(h_last.float(), final_norm, eps) @ label_head.T  # [n, draft_vocab]
+    return torch.softmax(logits / temperature, dim=-1)
 
 
 def soft_ce(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -481,7 +484,7 @@ class HeadFit:
         rows = row.has_feature & row.next_is_output
         probs = torch.zeros(row.num_tokens, self.head.config.draft_vocab_size)
         probs[rows] = target_probs(row.hidden[self.last_layer][rows], self.final_norm,
-                                   self.label_head, self.eps)
+                                   self.label_head, self.eps, self.cfg.label_temperature)
         return probs
 
     def save_checkpoint(self) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import TEST_THREADS, decode_all
+from speculant.models.eagle3_head import rms_norm
 from speculant.training import head_data
 from speculant.training.head_fit import (check_checkpoint_kind, coverage, draft_vocab,
                                          extend_vocab, quiet_rows, soft_ce, target_probs,
@@ -530,6 +531,29 @@ def test_soft_ce_is_minimal_at_the_target_distribution():
     assert torch.allclose(p.sum(-1), torch.ones(3))
     at_target = soft_ce(torch.log(p), p)
     assert at_target <= soft_ce(torch.randn(3, 10), p)
+
+
+def test_label_temperature_sharpens_towards_the_targets_argmax():
+    """--label-temperature below 1 keeps the target's argmax and puts more mass on it; 1 is
+    the target's own distribution (softmax of its logits); 0 and negatives are refused."""
+    torch.manual_seed(0)
+    h, head = torch.randn(5, 16), torch.randn(10, 16)
+    own = target_probs(h, torch.ones(16), head, 1e-5)
+    logits = rms_norm(h, torch.ones(16), 1e-5) @ head.T
+    assert torch.allclose(own, torch.softmax(logits, dim=-1), atol=1e-6)
+    sharp = target_probs(h, torch.ones(16), head, 1e-5, temperature=0.5)
+    assert torch.equal(sharp.argmax(-1), own.argmax(-1))
+    assert bool((sharp.max(-1).values > own.max(-1).values).all())
+    assert torch.allclose(sharp, torch.softmax(2 * logits, dim=-1), atol=1e-6)
+    parser = argparse.ArgumentParser()
+    add_train_head_args(parser)
+    from speculant.training.head_trainer import config_from_args
+
+    for bad in ("0", "-1"):
+        with pytest.raises(ValueError, match="--label-temperature must be in"):
+            config_from_args(parser.parse_args(["--out", "x", "--label-temperature", bad]))
+    assert config_from_args(parser.parse_args(
+        ["--out", "x", "--label-temperature", "0.5"])).label_temperature == 0.5
 
 
 def test_truncated_sharegpt_file_parses_to_the_last_complete_record():
