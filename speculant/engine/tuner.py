@@ -315,6 +315,12 @@ class BucketState:
     step_s: float = 0.0  # the incumbent's seconds per step, its last ~8 steps
     alone: int | None = None  # bucket 1: the sequence that decoded alone in its last step
     pending: list["PendingProbe"] = field(default_factory=list)  # probes not yet scored
+    # bumped whenever what `_challenge` reads of the arms changes (a probe pulled or scored, a
+    # comparison discounted, the incumbent switched); `challenged`: (version, whether drafting
+    # gains nothing, whether it gains little) when `_challenge` last found no switch, so that
+    # the incumbent's own steps, most steps, skip a check that cannot come out otherwise
+    version: int = 0
+    challenged: tuple[int, bool, bool] | None = None
 
 
 @dataclass(slots=True)
@@ -336,11 +342,21 @@ class PendingProbe:
         return self.ref_seconds / self.ref_tokens
 
 
-def concurrency_bucket(num_decoding: int) -> int:
-    """The smallest bucket bound >= num_decoding (the largest bound beyond the last)."""
+def _bucket_bound(num_decoding: int) -> int:
     for bound in CONCURRENCY_BUCKETS:
         if num_decoding <= bound:
             return bound
+    return CONCURRENCY_BUCKETS[-1]
+
+
+# num_decoding -> its bucket, up to the largest bound: looked up several times a decode step
+_BUCKET_OF = tuple(_bucket_bound(n) for n in range(CONCURRENCY_BUCKETS[-1] + 1))
+
+
+def concurrency_bucket(num_decoding: int) -> int:
+    """The smallest bucket bound >= num_decoding (the largest bound beyond the last)."""
+    if num_decoding < len(_BUCKET_OF):
+        return _BUCKET_OF[max(num_decoding, 0)]
     return CONCURRENCY_BUCKETS[-1]
 
 
@@ -424,9 +440,10 @@ class SpecTuner:
                 state = self._restart(state)
             state.alone = alone
         arms = state.arms
-        unmeasured = [i for i, a in enumerate(arms)
-                      if i != state.incumbent and a.pulls < self.config.min_pulls]
-        state.measuring = state.measuring and bool(unmeasured) and arms[state.incumbent].n_max != 0
+        if state.measuring:  # once over, the measuring phase stays over (a restart is a new state)
+            unmeasured = [i for i, a in enumerate(arms)
+                          if i != state.incumbent and a.pulls < self.config.min_pulls]
+            state.measuring = bool(unmeasured) and arms[state.incumbent].n_max != 0
         if state.measuring and state.steps - state.start_step < self.config.warmup_steps:
             index = state.incumbent  # the chain learns first (TunerConfig.warmup_steps)
         elif state.measuring:
@@ -464,6 +481,7 @@ class SpecTuner:
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
         scored: list[tuple[ArmStats, int]] = []
         if arm is not incumbent:
+            state.version += 1  # its pulls count in `_challenge`
             self._wait_after_catch_up(state, catch_up_seconds)
             seconds = max(seconds - catch_up_seconds, 0.1 * seconds)
             if incumbent.recent.tokens > 0:
@@ -476,11 +494,12 @@ class SpecTuner:
         else:
             state.step_s = seconds if not state.step_s else \
                 (1 - LOCAL_SMOOTHING) * state.step_s + LOCAL_SMOOTHING * seconds
-            for probe in state.pending:
-                probe.ref_tokens += tokens
-                probe.ref_seconds += seconds
-                probe.num_after += 1
-            scored = self._score_pending(state, min_after=SETTLE_STEPS)
+            if state.pending:
+                for probe in state.pending:
+                    probe.ref_tokens += tokens
+                    probe.ref_seconds += seconds
+                    probe.num_after += 1
+                scored = self._score_pending(state, min_after=SETTLE_STEPS)
         arm.observe(tokens, seconds, self.config.smoothing, state.steps)
         if arm.n_max > 0:
             state.num_drafting_steps += 1
@@ -539,6 +558,7 @@ class SpecTuner:
         if not due:
             return []
         incumbent = state.arms[state.incumbent]
+        state.version += 1
         state.pending = [p for p in state.pending if all(p is not d for d in due)]
         for probe in due:
             arm = state.arms[probe.arm]
@@ -668,6 +688,9 @@ class SpecTuner:
         a change brings re-measurement back to its shortest interval."""
         arms, min_pulls = state.arms, self.config.min_pulls
         gains_nothing = _gains_nothing(state)
+        low_gain = state.drafting_gain is not None and state.drafting_gain < LOW_GAIN
+        if state.challenged == (state.version, gains_nothing, low_gain):
+            return  # nothing it reads changed since it last found no switch
         # drafting that gains nothing does not take over, whatever its record says: plain took
         # over for that reason, and a drafting arm let back at once by its clock record flapped
         # every other step (c=8 mt_bench: switched off 32 times in 374 steps, 0.97x plain)
@@ -686,11 +709,12 @@ class SpecTuner:
                 for arm in arms[1:]:
                     arm.forget_comparison()
             return
-        if not candidates:
-            return
-        best = max(candidates, key=lambda i: arms[i].speedup)
-        if self._leads(arms[best], state):
-            self._switch(state, best)
+        if candidates:
+            best = max(candidates, key=lambda i: arms[i].speedup)
+            if self._leads(arms[best], state):
+                self._switch(state, best)
+                return
+        state.challenged = (state.version, gains_nothing, low_gain)
 
     def _switch(self, state: BucketState, index: int) -> None:
         """`index` becomes the incumbent: the other arms' comparisons are re-expressed against
@@ -705,6 +729,7 @@ class SpecTuner:
         old.mirror_of(new)
         new.forget_comparison()
         state.incumbent = index
+        state.version += 1
         if new.n_max == 0:
             state.num_switches_off += 1
         else:
@@ -739,6 +764,7 @@ class SpecTuner:
                     goodput < (1 - STALE_DROP) * arm.last_ref_goodput:
                 arm.discount(STALE_WEIGHT)
                 arm.last_ref_goodput = goodput
+                state.version += 1
                 state.explore_interval = self.config.explore_every
                 state.next_explore = min(state.next_explore, state.steps)
 
@@ -784,6 +810,7 @@ class SpecTuner:
         if arm.n_max > 0 and state.arms[state.incumbent].n_max == 0 and arm.last_pull >= 0 \
                 and state.drafting_gain is not None and state.drafting_gain >= LOW_GAIN:
             arm.discount(math.exp(-(state.steps - arm.last_pull) / EVIDENCE_HORIZON))
+            state.version += 1
 
     def _open(self, arm: ArmStats, state: BucketState, upper: float) -> bool:
         """Whether `arm` (upper bound `upper`) might still beat the incumbent by the margin.

@@ -741,3 +741,55 @@ def test_steps_where_the_ledger_rests_the_model_drafter_are_left_to_the_chain(de
     plain = engine.run_to_completion(prompts, SamplingParams(
         max_tokens=24, temperature=0.0, ignore_eos=True, spec=SpecParams(enabled=False)))
     assert [s.output_ids for s in tuned] == [s.output_ids for s in plain]
+
+
+class AlwaysChallenging(SpecTuner):
+    """The tuner with `_challenge`'s skip switched off: it re-checks the arms at every step."""
+
+    def _challenge(self, state):
+        state.challenged = None
+        super()._challenge(state)
+
+
+def drive_noisy(tuner, seed, steps=6000):
+    """A bursty, changing workload over several buckets and requests: drafting's worth turns
+    every few hundred steps (paying, losing, gaining nothing), goodput noisy per step, requests
+    changing at c=1, the batch passing through buckets 1-8. Returns every choice, with the
+    step's bucket."""
+    import random
+    rng = random.Random(seed)
+    choices = []
+    worth, request = 1.5, 0
+    for step in range(steps):
+        if step % 300 == 0:
+            worth = rng.choice([0.6, 0.9, 1.0, 1.2, 1.8])
+        if step % 97 == 0:
+            request += 1
+        num_decoding = rng.choice([1, 1, 1, 2, 4, 8]) if step % 1000 > 600 else 1
+        alone = request if num_decoding == 1 else None
+        n = tuner.choose(num_decoding, alone=alone)
+        if n == 0:
+            tokens, seconds = num_decoding, 0.01 * rng.uniform(0.9, 1.1)
+        else:
+            gain = 0 if worth <= 0.6 else rng.choice([0, 0, 1, 2, 5])
+            tokens = num_decoding * (1 + gain) if worth > 0.6 else num_decoding
+            seconds = 0.01 * tokens / (worth * num_decoding) * rng.uniform(0.7, 1.3) \
+                if worth > 0.6 else 0.012 * rng.uniform(0.9, 1.1)
+        tuner.observe(num_decoding, tokens, seconds)
+        choices.append((num_decoding, n))
+    return choices
+
+
+@pytest.mark.parametrize("grid", [(0,), (0, 2, 8)])
+def test_skipping_the_unchanged_check_never_changes_a_decision(grid):
+    """`_challenge` skips its check while nothing it reads changed (`BucketState.version`,
+    drafting's gain): the same decisions at every step as re-checking every time, over a
+    workload that switches drafting off and on again."""
+    for seed in range(3):
+        fast = SpecTuner(TunerConfig(grid=grid), max_n=8)
+        slow = AlwaysChallenging(TunerConfig(grid=grid), max_n=8)
+        got = drive_noisy(fast, seed)
+        assert got == drive_noisy(slow, seed)
+        assert fast.summary() == slow.summary()
+        assert sum(b["num_switches_off"] for b in fast.summary().values()) >= 1
+        assert len({n for _, n in got}) == len(fast.grid)  # every arm was used
