@@ -145,19 +145,21 @@ def machine_info(threads: int) -> dict:
     """What the README's table needs to say where it was measured. `kernel_path`: the path the
     CPU linear kernels ran on ("avx2", "avx512_vnni", "amx_int8"; "torch" for the PyTorch
     fallback); `prefetch_blocks`: how far ahead the VNNI and AVX2 kernels prefetched weights (None
-    without the native kernels); `prompt_attention`: what prompt positions were attended on
+    without the native kernels); `vnni_wide_rows`: from how many rows the VNNI kernels ran a
+    region in wide row tiles (None without the native kernels); `prompt_attention`: what prompt positions were attended on
     ("amx_bf16" tiles or "fp32"); `kv_attention`: what a bfloat16 KV cache is attended on
     ("amx_bf16" tiles, "avx512_bf16" dot products, "none"); `thread_team`: who ran the kernels' parallel chunks ("pool" or
     "openmp", kernels/thread_policy.py; None without the native kernels)."""
     import torch
 
     from speculant.kernels.native import (kernel_path, kv_attention, prompt_attention,
-                                          thread_team, weight_prefetch_blocks)
+                                          thread_team, vnni_wide_rows, weight_prefetch_blocks)
 
     return {"cpu": _cpu_model(), "num_cpus": os.cpu_count() or 0, "threads": threads,
             "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "kernel_path": kernel_path(),
-            "prefetch_blocks": weight_prefetch_blocks(), "prompt_attention": prompt_attention(),
+            "prefetch_blocks": weight_prefetch_blocks(), "vnni_wide_rows": vnni_wide_rows(),
+            "prompt_attention": prompt_attention(),
             "kv_attention": kv_attention(), "thread_team": thread_team()}
 
 

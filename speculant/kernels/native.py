@@ -16,7 +16,9 @@ it loads (AMX also needs the OS's leave, asked for then);
 `SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8` forces one (a path the CPU lacks is an
 error that names it). All paths give bit-identical outputs. `kernel_path()` reports the active
 one. How far ahead the VNNI kernels prefetch weights is chosen from the CPU too
-(`SPECULANT_PREFETCH_BLOCKS=0..64` forces it; `weight_prefetch_blocks()` reports it).
+(`SPECULANT_PREFETCH_BLOCKS=0..64` forces it; `weight_prefetch_blocks()` reports it), and so
+is from how many rows they run a region in wide row tiles (`SPECULANT_VNNI_WIDE_ROWS=2..4096`
+forces it; `vnni_wide_rows()` reports it).
 """
 from __future__ import annotations
 
@@ -75,6 +77,7 @@ def load_ops():
     _register_fakes()
     torch.ops.speculant.kernel_path()  # applies SPECULANT_KERNEL_PATH now: a bad value raises here
     torch.ops.speculant.weight_prefetch_blocks()  # and SPECULANT_PREFETCH_BLOCKS
+    torch.ops.speculant.vnni_wide_rows()  # and SPECULANT_VNNI_WIDE_ROWS
     torch.ops.speculant.prompt_attention()  # and SPECULANT_PROMPT_ATTENTION
     return torch.ops.speculant
 
@@ -91,6 +94,13 @@ def weight_prefetch_blocks() -> int | None:
     SPECULANT_PREFETCH_BLOCKS; csrc/kernel_path.h), or None without the native kernels."""
     ops = load_ops()
     return int(ops.weight_prefetch_blocks()) if ops is not None else None
+
+
+def vnni_wide_rows() -> int | None:
+    """The fewest rows for which the VNNI kernels run a region in wide row tiles (chosen from the
+    CPU, or SPECULANT_VNNI_WIDE_ROWS; csrc/kernel_path.h), or None without the native kernels."""
+    ops = load_ops()
+    return int(ops.vnni_wide_rows()) if ops is not None else None
 
 
 @contextlib.contextmanager
@@ -112,6 +122,12 @@ def forced_prefetch_blocks(blocks: int):
     """Runs the block with the VNNI and AVX2 kernels prefetching `blocks` weight blocks ahead, then
     restores the previous setting (tests and A/B measurements)."""
     return _forced_setting("set_weight_prefetch_blocks", blocks, "weight prefetch distance")
+
+
+def forced_vnni_wide_rows(rows: int):
+    """Runs the block with the VNNI kernels taking wide row tiles from `rows` rows, then restores
+    the previous setting (tests and A/B measurements)."""
+    return _forced_setting("set_vnni_wide_rows", rows, "VNNI wide-row threshold")
 
 
 def prompt_attention() -> str:
@@ -324,7 +340,8 @@ def main() -> None:
     build_dir = build()
     print(f"speculant native kernels ready in {build_dir} ({time.perf_counter() - start:.1f} s); "
           f"kernel path {kernel_path()} (this CPU runs: {', '.join(supported_kernel_paths())}), "
-          f"weight prefetch {weight_prefetch_blocks()} blocks ahead")
+          f"weight prefetch {weight_prefetch_blocks()} blocks ahead, VNNI wide row tiles from "
+          f"{vnni_wide_rows()} rows")
 
 
 if __name__ == "__main__":

@@ -83,15 +83,17 @@ def create_app(engine_or_config, api_key: str | None = None, model_id: str | Non
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         from speculant.kernels.native import (kernel_path, kv_attention, prompt_attention,
-                                              thread_team, weight_prefetch_blocks)
+                                              thread_team, vnni_wide_rows,
+                                              weight_prefetch_blocks)
 
         log.info("CPU kernel path: %s (SPECULANT_KERNEL_PATH=auto|avx2|avx512_vnni|amx_int8 "
                  "forces one), weight prefetch %s blocks ahead (SPECULANT_PREFETCH_BLOCKS), "
+                 "VNNI wide row tiles from %s rows (SPECULANT_VNNI_WIDE_ROWS), "
                  "prompt attention %s (SPECULANT_PROMPT_ATTENTION=auto|fp32), KV cache %s "
                  "(--kv-dtype; bfloat16: every position attended on %s, "
                  "SPECULANT_KV_ATTENTION=auto|avx512_bf16), threads: "
                  "%s (OMP_WAIT_POLICY=passive before torch loads: the kernels' pool)",
-                 kernel_path(), weight_prefetch_blocks(), prompt_attention(),
+                 kernel_path(), weight_prefetch_blocks(), vnni_wide_rows(), prompt_attention(),
                  engine.config.kv_dtype, kv_attention(), thread_team())
         state.loop.start()
         try:

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from speculant.bench import pp_tg
-from speculant.kernels.native import kernel_path, prompt_attention, thread_team
+from speculant.kernels.native import kernel_path, prompt_attention, thread_team, vnni_wide_rows
 
 
 def fake_llama_bench(tmp_path, exit_code: int = 0) -> tuple[str, str]:
@@ -54,6 +54,7 @@ def test_prefill_and_decode_rates_of_the_active_path(tmp_path):
     assert result["machine"]["kernel_path"] == kernel_path()
     assert result["machine"]["prompt_attention"] == prompt_attention()
     assert result["machine"]["thread_team"] == thread_team() and thread_team() in ("pool", "openmp")
+    assert result["machine"]["vnni_wide_rows"] == vnni_wide_rows()
     assert result["model"].endswith(".gguf")
 
 

@@ -18,8 +18,9 @@ import torch
 
 from speculant.kernels import PackedLinear, native_available, paged_attention
 from speculant.kernels.native import (forced_kernel_path, forced_prefetch_blocks,
-                                      forced_prompt_attention, kernel_path, prompt_attention,
-                                      supported_kernel_paths, weight_prefetch_blocks)
+                                      forced_prompt_attention, forced_vnni_wide_rows, kernel_path,
+                                      prompt_attention, supported_kernel_paths, vnni_wide_rows,
+                                      weight_prefetch_blocks)
 from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
 
 QUANT_TYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -401,6 +402,77 @@ def test_bad_prefetch_distance_is_refused_by_name(value):
             with forced_prefetch_blocks(int(value)):
                 pass
     assert weight_prefetch_blocks() == before
+
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES)
+def test_vnni_wide_row_tiles_never_change_results(qtype, wide_path):
+    """Whether the VNNI kernels run a region in wide row tiles (one pair of groups against up
+    to 8-12 rows) or in tiles of two pairs against 4 rows, from whichever row count, every
+    output is the AVX2 path's, at 1-32 rows, on odd shapes and on the LM head (so the tiles a
+    CPU does not pick by default are still checked on it)."""
+    shapes = SHAPES + ([LM_HEAD] if qtype == "Q8_0" else [])
+    for out_features, in_features in shapes:
+        w = PackedLinear.from_float(random_weight(out_features, in_features), qtype)
+        x = activations(32, in_features)
+        rows = (1, 4, 5, 8, 12, 13, 20, 21, 32) if out_features == LM_HEAD[0] else range(1, 33)
+        for threshold in (2, 5, 13, 4096):
+            with forced_vnni_wide_rows(threshold):
+                assert vnni_wide_rows() == threshold
+                assert_paths_agree(w, x, rows, wide_path)
+
+
+def amd_family_19h() -> bool | None:
+    """Whether /proc/cpuinfo names an AMD family 19h CPU (None where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
+                        if ":" in line)
+    except OSError:
+        return None
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+
+
+def wide_rows_in_subprocess(value: str | None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("SPECULANT_VNNI_WIDE_ROWS", None)
+    if value is not None:
+        env["SPECULANT_VNNI_WIDE_ROWS"] = value
+    code = "from speculant.kernels.native import vnni_wide_rows; print(vnni_wide_rows())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_wide_row_tiles_are_chosen_from_the_cpu_or_the_environment():
+    """By default never on an AMD family 19h CPU (Zen 4: the narrow tiles measured faster at
+    every row count), from 5 rows elsewhere; SPECULANT_VNNI_WIDE_ROWS sets it."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    family_19h = amd_family_19h()
+    if family_19h is not None:
+        done = wide_rows_in_subprocess(None)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == ("4096" if family_19h else "5")
+    done = wide_rows_in_subprocess("9")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "9"
+
+
+@pytest.mark.parametrize("value", ["1", "4097", "many", "8.5"])
+def test_bad_wide_row_threshold_is_refused_by_name(value):
+    """A bad SPECULANT_VNNI_WIDE_ROWS stops the process naming the variable and the range; a bad
+    threshold set in process is refused and leaves the setting as it was."""
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    done = wide_rows_in_subprocess(value)
+    assert done.returncode != 0
+    assert f"SPECULANT_VNNI_WIDE_ROWS={value}: expected a whole number of rows from 2 to 4096" \
+        in done.stderr
+    before = vnni_wide_rows()
+    if value.isdigit():
+        with pytest.raises(RuntimeError, match="expected a whole number of rows from 2 to 4096"):
+            with forced_vnni_wide_rows(int(value)):
+                pass
+    assert vnni_wide_rows() == before
 
 
 # ---- prompt attention on AMX-BF16 tiles ------------------------------------------------------

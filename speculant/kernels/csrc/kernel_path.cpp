@@ -147,6 +147,25 @@ int64_t prefetch_blocks_from_env() {
 
 std::atomic<int64_t> prefetch_blocks{kUnset};  // kUnset until first use
 
+constexpr int64_t kMinWideRows = 2, kMaxWideRows = 4096;
+
+int64_t parse_wide_rows(const char* text, const char* source) {
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  TORCH_CHECK(end != text && *end == '\0' && value >= kMinWideRows && value <= kMaxWideRows,
+              source, "=", text, ": expected a whole number of rows from ", kMinWideRows, " to ",
+              kMaxWideRows);
+  return value;
+}
+
+int64_t wide_rows_from_env() {
+  const char* env = std::getenv("SPECULANT_VNNI_WIDE_ROWS");
+  if (env != nullptr && *env != '\0') return parse_wide_rows(env, "SPECULANT_VNNI_WIDE_ROWS");
+  return amd_family_19h() ? kMaxWideRows : 5;
+}
+
+std::atomic<int64_t> wide_rows{kUnset};  // kUnset until first use
+
 // SPECULANT_PROMPT_ATTENTION: "auto" (tiles where the CPU has them) or "fp32".
 bool prompt_tiles_from_env() {
   const char* env = std::getenv("SPECULANT_PROMPT_ATTENTION");
@@ -207,6 +226,24 @@ int64_t weight_prefetch_blocks() {
     blocks = prefetch_blocks.load(std::memory_order_relaxed);
   }
   return blocks;
+}
+
+int64_t vnni_wide_rows() {
+  int64_t rows = wide_rows.load(std::memory_order_relaxed);
+  if (rows == kUnset) {
+    int64_t expected = kUnset;  // a bad variable throws here, and at every later call
+    wide_rows.compare_exchange_strong(expected, wide_rows_from_env());
+    rows = wide_rows.load(std::memory_order_relaxed);
+  }
+  return rows;
+}
+
+int64_t set_vnni_wide_rows(int64_t rows) {
+  TORCH_CHECK(rows >= kMinWideRows && rows <= kMaxWideRows, "set_vnni_wide_rows(", rows,
+              "): expected a whole number of rows from ", kMinWideRows, " to ", kMaxWideRows);
+  const int64_t previous = vnni_wide_rows();
+  wide_rows.store(rows, std::memory_order_relaxed);
+  return previous;
 }
 
 int64_t set_weight_prefetch_blocks(int64_t blocks) {

@@ -51,6 +51,19 @@ bool kv_attention_tiles();
 // 4 elsewhere. Never changes results.
 int64_t weight_prefetch_blocks();
 
+// The fewest activation rows for which the VNNI kernels run a region in wide row tiles (one
+// pair of weight groups against up to 8-12 rows, avx512/linear_vnni.cpp) instead of tiles of
+// two pairs against 4 rows; chosen once per process from the CPU (or SPECULANT_VNNI_WIDE_ROWS,
+// 2-4096; 4096 is never: a pass holds at most 128 rows). Measured on 2-core KVM guests, whole
+// target forwards in one process: on an Intel Xeon with AMX (VNNI path forced) the wide tiles
+// took 0.895-0.94 of the time at 5-11 rows; on an AMD EPYC Zen 4 (family 19h; the two
+// settings alternating forward by forward, medians of 20-100 pairs) the narrow tiles took
+// 0.94-0.97 of it at 5-12 rows, 0.97-0.98 at 16-32 and at 64-256 (prefill), 0.95 for 8
+// sequences of one row (c=8 decoding); the EAGLE-3 head's catch-up forward there took
+// 740-820 us at 5 rows against 400-440 at 4. So never on family 19h, from 5 rows elsewhere.
+// Never changes results: every tile shape gives the same bits (linear.cpp).
+int64_t vnni_wide_rows();
+
 // Operators (registered in ops.cpp): the active path's name; the paths this CPU supports, best
 // last; set_kernel_path(name or "auto") -> the previous path's name.
 std::string kernel_path();
@@ -66,5 +79,7 @@ std::string kv_attention();
 std::string set_kv_attention(const std::string& mode);
 // set_weight_prefetch_blocks(n, 0-64) -> the previous value (tests and A/B measurements).
 int64_t set_weight_prefetch_blocks(int64_t blocks);
+// set_vnni_wide_rows(n, 2-4096) -> the previous value (tests and A/B measurements).
+int64_t set_vnni_wide_rows(int64_t rows);
 
 }  // namespace speculant

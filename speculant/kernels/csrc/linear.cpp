@@ -524,7 +524,7 @@ void linear_into(const at::Tensor& x, const at::Tensor& weight,
   const ActsView view{acts.q.data(), acts.d.data(), acts.dsum.data(), acts.sum.data()};
 
   BlockLinear p{weight.const_data_ptr(), half_bits(*scales), nullptr, view, nb, N, y,
-                weight_prefetch_blocks()};
+                weight_prefetch_blocks(), vnni_wide_rows()};
   if (qtype == "Q8_0") {
     check_param(weight, at::kChar, G, nb, 256, "weight");
     run_blocks(kQ8_0, p, M, nb * (256 + 16), picks);

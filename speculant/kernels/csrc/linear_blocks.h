@@ -35,6 +35,8 @@ struct BlockLinear {
   float* out;              // [M, N]
   int64_t prefetch_blocks; // VNNI kernels: weight blocks requested ahead of use (0: none;
                            // weight_prefetch_blocks() in kernel_path.h says why it varies)
+  int64_t wide_rows;       // VNNI kernels: regions of at least this many activation rows take
+                           // the wide row tiles (vnni_wide_rows() in kernel_path.h)
 };
 
 // Computes out[m0:m1, 8 * g0 : min(N, 8 * g1)] (weight groups [g0, g1) against activation rows

@@ -37,6 +37,7 @@ TORCH_LIBRARY(speculant, m) {
   m.def("kernel_paths() -> str[]", &speculant::kernel_paths);
   m.def("set_kernel_path(str path) -> str", &speculant::set_kernel_path);
   m.def("weight_prefetch_blocks() -> int", &speculant::weight_prefetch_blocks);
+  m.def("vnni_wide_rows() -> int", &speculant::vnni_wide_rows);
   m.def("prompt_attention() -> str", &speculant::prompt_attention);
   m.def("tile_kv_cache() -> bool", &speculant::tile_kv_cache);
   m.def("kv_attention() -> str", &speculant::kv_attention);
@@ -44,6 +45,7 @@ TORCH_LIBRARY(speculant, m) {
   m.def("thread_team() -> str", &speculant::thread_team);
   m.def("set_prompt_attention(str mode) -> str", &speculant::set_prompt_attention);
   m.def("set_weight_prefetch_blocks(int blocks) -> int", &speculant::set_weight_prefetch_blocks);
+  m.def("set_vnni_wide_rows(int rows) -> int", &speculant::set_vnni_wide_rows);
   m.def("decoder_stack_release(int stack) -> ()", &speculant::decoder_stack_release);
   m.def(
       "decoder_stack(Tensor(a!) h, int stack, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, "

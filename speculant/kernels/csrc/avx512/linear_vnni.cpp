@@ -35,8 +35,9 @@ constexpr int kPairTile = 2;    // pairs of groups per tile: 32 output rows
 // Activation rows per tile: NP x MR int32 sums and float accumulators take 16 of the 32 vector
 // registers, leaving room for the weights and the broadcasts.
 constexpr int kRowTile = 4;
-// Regions of more rows go one pair at a time in tiles of up to 8 rows (acc and dot take 16
-// registers): each pass over the weights unpacks them once for 8 rows instead of 4. Regions of
+// Regions of more rows (on most CPUs: vnni_wide_rows() in kernel_path.h) go one pair at a time
+// in tiles of up to 8 rows (acc and dot take 16 registers): each pass over the weights unpacks
+// them once for 8 rows instead of 4. Regions of
 // up to kFewRows rows (a verification step, c=8 with a few draft rows) take tiles of up to 12
 // (24 registers): 9-12 rows in one pass, 13-20 in two. Longer regions keep tiles of 8, where 12
 // spill. Measured on a Xeon with AMX at SmolLM2-135M's shapes (2 threads, weights cycled through
@@ -278,13 +279,14 @@ void run_wide_rows(const Kernel& kernel, const Pair* pair, int64_t m_begin, int6
   }
 }
 
-// Groups [g0, g1) kPairTile pairs at a time (one pair at a time when the region has more rows
-// than a tile of kRowTile), each tile against all rows of the region, so its weights come from
-// memory once and then from L1.
+// Groups [g0, g1) kPairTile pairs at a time (one pair at a time in wide row tiles when the
+// region has at least p.wide_rows rows: vnni_wide_rows() in kernel_path.h says why that varies
+// by CPU), each tile against all rows of the region, so its weights come from memory once and
+// then from L1.
 template <typename Kernel>
 void run_region(const Kernel& kernel, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   static_assert(kPairTile == 2, "the loop below handles a partial tile of one pair");
-  if (m1 - m0 > kRowTile) {
+  if (m1 - m0 >= kernel.p.wide_rows) {
     for (int64_t lo = g0; lo < g1; lo += 2) {
       const Pair pair{lo, lo + 1 < g1 ? lo + 1 : lo};
       run_wide_rows(kernel, &pair, m0, m1, kernel.p.N, kernel.p.out);
