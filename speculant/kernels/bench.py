@@ -2,7 +2,7 @@
 
     python -m speculant.kernels.bench [--ms 1,4,8,16] [--budget 0.1] [--threads N]
                                       [--paths avx2,avx512_vnni,amx_int8] [--context 128]
-                                      [--kv_dtype float32] [--copies 30]
+                                      [--kv_dtype float32] [--block_size 0] [--copies 30]
 
 For each weight matrix: the native kernel at every M (on the active kernel path, and on each
 of `--paths` as `<path>_m<M>`), the PyTorch fallback at M=1, and fp32 `F.linear` (MKL) on the
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from speculant.bench.timing import machine_info
 from speculant.kernels import PackedLinear, native_available, paged_attention
-from speculant.kernels.kv_layout import k_cache_shape, v_cache_shape
+from speculant.kernels.kv_layout import TILE_BLOCK, check_tile_shape, k_cache_shape, v_cache_shape
 from speculant.kernels.native import forced_kernel_path
 
 # (name, out_features, in_features, qtype) as SmolLM2-135M-Instruct Q4_1 GGUF runs them
@@ -44,7 +44,8 @@ class BenchConfig:
     context: int = 128  # attention: KV positions before the query tokens
     paths: str = ""  # kernel paths to time the kernels on as well (comma-separated)
     kv_dtype: str = "float32"  # attention: the KV cache's dtype (float32, float16, bfloat16)
-    block_size: int = 16  # attention: positions per cache block
+    block_size: int = 0  # attention: positions per cache block; 0 = the cache's own (16, 32 for
+    # bfloat16, whose tiles' layout needs a multiple of 32 dividing 256)
     # linear: calls cycle through this many copies of each matrix under 8 MB, so its weights
     # come from L3 or DRAM as a model's layers do (30: SmolLM2-135M's), not from L2
     copies: int = 1
@@ -59,6 +60,17 @@ class BenchConfig:
         if self.kv_dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"--kv_dtype must be float32, float16 or bfloat16 (the tiles' "
                              f"layout), got {self.kv_dtype!r}")
+        if self.block_size == 0:
+            self.block_size = TILE_BLOCK if self.kv_dtype == "bfloat16" else 16
+        if self.block_size < 1:
+            raise ValueError(f"--block_size must be positive (0: the cache's own), got "
+                             f"{self.block_size}")
+        if self.kv_dtype == "bfloat16":
+            try:  # refused here, not after minutes of timing the linears
+                check_tile_shape(self.block_size, 64)  # SmolLM2-135M's head_dim
+            except ValueError as exc:
+                raise ValueError(f"--block_size {self.block_size} with --kv_dtype bfloat16: "
+                                 f"{exc}") from None
 
     @property
     def row_counts(self) -> list[int]:
@@ -164,7 +176,7 @@ def main() -> None:
     print_table(rows, cfg.row_counts, cfg.kernel_paths)
     print(json.dumps({"threads": machine["threads"], "native": native_available(),
                       "cpu": machine["cpu"], "kernel_path": machine["kernel_path"],
-                      "results": rows}))
+                      "vnni_wide_rows": machine["vnni_wide_rows"], "results": rows}))
 
 
 if __name__ == "__main__":
