@@ -130,41 +130,58 @@ bool amd_family_19h() {
   return (base == 0xFu ? base + extended : base) == 0x19u;
 }
 
-int64_t parse_prefetch_blocks(const char* text, const char* source) {
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  TORCH_CHECK(end != text && *end == '\0' && value >= 0 && value <= kMaxPrefetchBlocks, source,
-              "=", text, ": expected a whole number of weight blocks from 0 to ",
-              kMaxPrefetchBlocks);
-  return value;
-}
+// An integer setting the CPU decides unless its environment variable does, read on first use (a
+// bad value throws then, and at every later call) and settable in process (tests, A/B runs).
+struct IntSetting {
+  const char* env;     // its environment variable
+  const char* setter;  // its in-process setter, named in that one's error
+  const char* unit;    // what it counts, for the errors
+  int64_t min, max;
+  int64_t (*cpu_default)();
+  std::atomic<int64_t> value{kUnset};  // kUnset until first use
 
-int64_t prefetch_blocks_from_env() {
-  const char* env = std::getenv("SPECULANT_PREFETCH_BLOCKS");
-  if (env != nullptr && *env != '\0') return parse_prefetch_blocks(env, "SPECULANT_PREFETCH_BLOCKS");
-  return amd_family_19h() ? 0 : 4;
-}
+  void check(bool ok, int64_t v, const char* text) const {
+    if (text != nullptr) {
+      TORCH_CHECK(ok, env, "=", text, ": expected a whole number of ", unit, " from ", min,
+                  " to ", max);
+    } else {
+      TORCH_CHECK(ok, setter, "(", v, "): expected a whole number of ", unit, " from ", min,
+                  " to ", max);
+    }
+  }
 
-std::atomic<int64_t> prefetch_blocks{kUnset};  // kUnset until first use
+  int64_t from_env() const {
+    const char* text = std::getenv(env);
+    if (text == nullptr || *text == '\0') return cpu_default();
+    char* end = nullptr;
+    const long long v = std::strtoll(text, &end, 10);
+    check(end != text && *end == '\0' && v >= min && v <= max, v, text);
+    return v;
+  }
 
-constexpr int64_t kMinWideRows = 2, kMaxWideRows = 4096;
+  int64_t get() {
+    int64_t v = value.load(std::memory_order_relaxed);
+    if (v == kUnset) {
+      int64_t expected = kUnset;
+      value.compare_exchange_strong(expected, from_env());
+      v = value.load(std::memory_order_relaxed);
+    }
+    return v;
+  }
 
-int64_t parse_wide_rows(const char* text, const char* source) {
-  char* end = nullptr;
-  const long long value = std::strtoll(text, &end, 10);
-  TORCH_CHECK(end != text && *end == '\0' && value >= kMinWideRows && value <= kMaxWideRows,
-              source, "=", text, ": expected a whole number of rows from ", kMinWideRows, " to ",
-              kMaxWideRows);
-  return value;
-}
+  int64_t set(int64_t v) {
+    check(v >= min && v <= max, v, nullptr);
+    const int64_t previous = get();
+    value.store(v, std::memory_order_relaxed);
+    return previous;
+  }
+};
 
-int64_t wide_rows_from_env() {
-  const char* env = std::getenv("SPECULANT_VNNI_WIDE_ROWS");
-  if (env != nullptr && *env != '\0') return parse_wide_rows(env, "SPECULANT_VNNI_WIDE_ROWS");
-  return amd_family_19h() ? kMaxWideRows : 5;
-}
-
-std::atomic<int64_t> wide_rows{kUnset};  // kUnset until first use
+IntSetting prefetch_blocks{"SPECULANT_PREFETCH_BLOCKS", "set_weight_prefetch_blocks",
+                           "weight blocks", 0, kMaxPrefetchBlocks,
+                           [] { return amd_family_19h() ? int64_t{0} : int64_t{4}; }};
+IntSetting wide_rows{"SPECULANT_VNNI_WIDE_ROWS", "set_vnni_wide_rows", "rows", 2, 4096,
+                     [] { return amd_family_19h() ? int64_t{4096} : int64_t{5}; }};
 
 // SPECULANT_PROMPT_ATTENTION: "auto" (tiles where the CPU has them) or "fp32".
 bool prompt_tiles_from_env() {
@@ -218,41 +235,13 @@ std::vector<std::string> kernel_paths() {
   return names;
 }
 
-int64_t weight_prefetch_blocks() {
-  int64_t blocks = prefetch_blocks.load(std::memory_order_relaxed);
-  if (blocks == kUnset) {
-    int64_t expected = kUnset;  // a bad variable throws here, and at every later call
-    prefetch_blocks.compare_exchange_strong(expected, prefetch_blocks_from_env());
-    blocks = prefetch_blocks.load(std::memory_order_relaxed);
-  }
-  return blocks;
-}
+int64_t weight_prefetch_blocks() { return prefetch_blocks.get(); }
 
-int64_t vnni_wide_rows() {
-  int64_t rows = wide_rows.load(std::memory_order_relaxed);
-  if (rows == kUnset) {
-    int64_t expected = kUnset;  // a bad variable throws here, and at every later call
-    wide_rows.compare_exchange_strong(expected, wide_rows_from_env());
-    rows = wide_rows.load(std::memory_order_relaxed);
-  }
-  return rows;
-}
+int64_t vnni_wide_rows() { return wide_rows.get(); }
 
-int64_t set_vnni_wide_rows(int64_t rows) {
-  TORCH_CHECK(rows >= kMinWideRows && rows <= kMaxWideRows, "set_vnni_wide_rows(", rows,
-              "): expected a whole number of rows from ", kMinWideRows, " to ", kMaxWideRows);
-  const int64_t previous = vnni_wide_rows();
-  wide_rows.store(rows, std::memory_order_relaxed);
-  return previous;
-}
+int64_t set_vnni_wide_rows(int64_t rows) { return wide_rows.set(rows); }
 
-int64_t set_weight_prefetch_blocks(int64_t blocks) {
-  TORCH_CHECK(blocks >= 0 && blocks <= kMaxPrefetchBlocks, "set_weight_prefetch_blocks(", blocks,
-              "): expected a whole number of weight blocks from 0 to ", kMaxPrefetchBlocks);
-  const int64_t previous = weight_prefetch_blocks();
-  prefetch_blocks.store(blocks, std::memory_order_relaxed);
-  return previous;
-}
+int64_t set_weight_prefetch_blocks(int64_t blocks) { return prefetch_blocks.set(blocks); }
 
 bool prompt_attention_tiles() {
   int wanted = prompt_tiles_wanted.load(std::memory_order_relaxed);
