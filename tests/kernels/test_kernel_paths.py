@@ -372,10 +372,19 @@ def test_avx2_weight_prefetch_never_changes_results(qtype):
                         f"{qtype} {out_features}x{in_features} M={m} prefetch {blocks}"
 
 
-def prefetch_blocks_in_subprocess(value: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SPECULANT_PREFETCH_BLOCKS": value}
-    code = "from speculant.kernels.native import weight_prefetch_blocks; print(weight_prefetch_blocks())"
+def setting_in_subprocess(variable: str, value: str | None,
+                          reader: str) -> subprocess.CompletedProcess:
+    """A fresh process printing `speculant.kernels.native.<reader>()` with the environment
+    variable `variable` at `value` (None: unset): the native settings read it once, at first use."""
+    env = {k: v for k, v in os.environ.items() if k != variable}
+    if value is not None:
+        env[variable] = value
+    code = f"from speculant.kernels.native import {reader}; print({reader}())"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def prefetch_blocks_in_subprocess(value: str) -> subprocess.CompletedProcess:
+    return setting_in_subprocess("SPECULANT_PREFETCH_BLOCKS", value, "weight_prefetch_blocks")
 
 
 def test_prefetch_environment_variable_sets_the_distance():
@@ -434,12 +443,7 @@ def amd_family_19h() -> bool | None:
 
 
 def wide_rows_in_subprocess(value: str | None) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.pop("SPECULANT_VNNI_WIDE_ROWS", None)
-    if value is not None:
-        env["SPECULANT_VNNI_WIDE_ROWS"] = value
-    code = "from speculant.kernels.native import vnni_wide_rows; print(vnni_wide_rows())"
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return setting_in_subprocess("SPECULANT_VNNI_WIDE_ROWS", value, "vnni_wide_rows")
 
 
 def test_wide_row_tiles_are_chosen_from_the_cpu_or_the_environment():
