@@ -67,6 +67,22 @@ def quantize(weight: torch.Tensor, qtype: str) -> GGMLBlocks:
     return {"Q4_0": _quantize_q4_0, "Q4_1": _quantize_q4_1, "Q8_0": _quantize_q8_0}[qtype](x)
 
 
+def from_values(qtype: str, q: torch.Tensor, scales: torch.Tensor,
+                mins: torch.Tensor | None = None) -> GGMLBlocks:
+    """Blocks from quantized values chosen elsewhere (`models/head_quant.py`'s GPTQ):
+    q [N, nb, 32] (0..15 for Q4_*, -127..127 for Q8_0), scales (and Q4_1's mins) [N, nb] fp16."""
+    check_qtype(qtype)
+    if q.dim() != 3 or q.shape[-1] != BLOCK_SIZE or tuple(scales.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"{qtype} values must be [N, nb, 32] with scales [N, nb], got "
+                         f"{tuple(q.shape)} and {tuple(scales.shape)}")
+    if (mins is not None) != (qtype == "Q4_1"):
+        raise ValueError(f"{qtype} blocks {'need' if qtype == 'Q4_1' else 'have no'} mins")
+    if qtype == "Q8_0":
+        return GGMLBlocks(qtype, q.to(torch.int8), scales.half(), None)
+    return GGMLBlocks(qtype, _pack_nibbles(q.to(torch.uint8)), scales.half(),
+                      None if mins is None else mins.half())
+
+
 def dequantize(blocks: GGMLBlocks) -> torch.Tensor:
     """Rows [N, K] float32, bit-identical to gguf.quants.dequantize."""
     d = blocks.scales.float().unsqueeze(-1)  # [N, nb, 1]

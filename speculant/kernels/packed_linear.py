@@ -81,6 +81,12 @@ class PackedLinear:
         return cls._from_blocks(ggml_blocks.quantize(weight, qtype))
 
     @classmethod
+    def from_blocks(cls, blocks: GGMLBlocks) -> PackedLinear:
+        """From GGML blocks quantized elsewhere (a head's GPTQ blocks: `models/head_quant.py`),
+        bit for bit."""
+        return cls._from_blocks(blocks)
+
+    @classmethod
     def concat(cls, parts: list[PackedLinear]) -> PackedLinear:
         """Stacks the rows of `parts` (e.g. fused QKV, gate+up); same qtype and in_features."""
         first = parts[0]

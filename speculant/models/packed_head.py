@@ -18,34 +18,48 @@ import torch
 from torch import nn
 
 from speculant.kernels import PackedLinear, native_available
+from speculant.kernels.ggml_blocks import GGMLBlocks
+from speculant.models.head_quant import load_packed, packable_linears
 
 HEAD_WEIGHTS = ("float32", "q8_0", "q4_1", "q4_0")
 DEFAULT_CPU_HEAD_WEIGHTS = "q4_1"
 
 
 class PackedLinearModule(nn.Module):
-    """An `nn.Linear` (no bias) whose weight lives packed: same call, [..., in] -> [..., out]."""
+    """An `nn.Linear` (no bias) whose weight lives packed: same call, [..., in] -> [..., out].
+    `blocks`: its weight already quantized (a head's GPTQ blocks, `head_quant.py`); else the
+    float weight is rounded by ggml's reference quantizer."""
 
-    def __init__(self, linear: nn.Linear, qtype: str):
+    def __init__(self, linear: nn.Linear, qtype: str, blocks: GGMLBlocks | None = None):
         super().__init__()
-        self.packed = PackedLinear.from_float(linear.weight.detach().float(), qtype.upper())
+        self.packed = (PackedLinear.from_blocks(blocks) if blocks is not None else
+                       PackedLinear.from_float(linear.weight.detach().float(), qtype.upper()))
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed(x.float().contiguous())
 
 
-def pack_linears(module: nn.Module, qtype: str) -> int:
+def pack_linears(module: nn.Module, qtype: str,
+                 blocks: dict[str, GGMLBlocks] | None = None) -> int:
     """Replace every bias-free `nn.Linear` below `module` whose input width is a multiple of
-    the 32-weight block by its packed form; returns how many were replaced."""
+    the 32-weight block by its packed form, from `blocks` (keyed by the weight's state-dict
+    key, `head_quant.load_packed`) where given; returns how many were replaced."""
     count = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and child.bias is None and child.in_features % 32 == 0:
-            setattr(module, name, PackedLinearModule(child, qtype))
-            count += 1
-        else:
-            count += pack_linears(child, qtype)
+    for key, linear in packable_linears(module).items():
+        parent, _, name = key[:-len(".weight")].rpartition(".")
+        owner = module.get_submodule(parent) if parent else module
+        setattr(owner, name, PackedLinearModule(linear, qtype, (blocks or {}).get(key)))
+        count += 1
     return count
+
+
+def load_head_blocks(module: nn.Module, head_dir: str, qtype: str) -> dict[str, GGMLBlocks]:
+    """The GPTQ blocks shipped beside the head in `head_dir` for `qtype`, checked against
+    `module`'s linears; empty when there are none."""
+    shapes = {key: (m.out_features, m.in_features)
+              for key, m in packable_linears(module).items()}
+    return load_packed(head_dir, qtype.upper(), shapes) or {}
 
 
 def packed_tensors(module: nn.Module) -> list[torch.Tensor]:

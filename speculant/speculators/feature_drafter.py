@@ -44,6 +44,7 @@ vocabulary, so rejection sampling stays lossless.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from abc import abstractmethod
@@ -59,7 +60,9 @@ from speculant.kernels.huge_pages import move_to_huge_pages
 from speculant.kernels.kv_layout import native_block_size, write_kv
 from speculant.models.eagle3_head import run_layers
 from speculant.models.eagle3_layer import further_layer_stack
-from speculant.models.packed_head import pack_linears, packed_tensors, resolve_head_weights
+from speculant.models.head_quant import packed_file
+from speculant.models.packed_head import (load_head_blocks, pack_linears, packed_tensors,
+                                          resolve_head_weights)
 from speculant.speculators.base import (CommittedTokens, Draft, DraftBuilder, DraftRequest,
                                         Speculator, SpeculatorContext, StepFeatures,
                                         TargetDraws, TargetView, check_model_drafter_config,
@@ -68,6 +71,7 @@ from speculant.speculators.calibration import CalibrationPrior
 from speculant.speculators.continuation import ContinuationRecord
 from speculant.speculators.coupled import coupled_pick
 
+log = logging.getLogger(__name__)
 REPO_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -96,16 +100,19 @@ class FeatureDrafterConfig:
         resolve_head_weights(self.weights, "cpu")  # ValueError naming a bad value
 
 
-def read_calibration_prior(head_path: str) -> CalibrationPrior | None:
+def read_calibration_prior(head_path: str, packed: bool = False) -> CalibrationPrior | None:
     """The first-token calibration a head made by `speculant train-head` carries in its
-    recipe.json (held-out answers), or None (no recipe, or an older one without it). A
-    recipe that carries a broken table is refused, naming the file."""
+    recipe.json (held-out answers), or None (no recipe, or an older one without it); with
+    `packed`, that of the head as its shipped GPTQ blocks compute (`heldout_packed`) where the
+    recipe has it. A recipe that carries a broken table is refused, naming the file."""
     recipe = os.path.join(head_path, "recipe.json") if os.path.isdir(head_path) else ""
     if not recipe or not os.path.isfile(recipe):
         return None
     try:
         with open(recipe) as f:
-            table = json.load(f).get("heldout", {}).get("first_token_calibration")
+            figures = json.load(f)
+        section = figures.get("heldout_packed") if packed else None
+        table = (section or figures.get("heldout", {})).get("first_token_calibration")
         return None if table is None else CalibrationPrior.from_table(table)
     except (ValueError, AttributeError) as e:
         raise ValueError(f"{recipe}: {e}") from e
@@ -261,6 +268,7 @@ class FeatureDrafter(Speculator):
     is_model_based = True
     provides_probs = True
     shipped_heads: dict[str, str] = {}  # target file name -> head folder under drafts/
+    packed_blocks: str = ""  # the file of GPTQ blocks its packed linears came from, if any
 
     def __init__(self, ctx: SpeculatorContext, config: FeatureDrafterConfig, head, target: TargetView):
         """`head`: a head with the per-step API (`models/eagle3_head.py`) that fits `target`."""
@@ -311,12 +319,16 @@ class FeatureDrafter(Speculator):
                              f"give one with --spec-option {cls.name}.head=PATH")
         head = cls.load_head(path, ctx.target).to(ctx.device).eval()
         config.head = path
-        prior = read_calibration_prior(path)
         qtype = resolve_head_weights(config.weights, ctx.device)
+        blocks = load_head_blocks(head, path, qtype) if qtype != "float32" else {}
         if qtype != "float32":
-            pack_linears(head, qtype)
+            pack_linears(head, qtype, blocks)
+        prior = read_calibration_prior(path, packed=bool(blocks))
         drafter = cls(ctx, config, head, ctx.target)
         drafter.calibration_prior = prior
+        drafter.packed_blocks = os.path.basename(packed_file(path, qtype)) if blocks else ""
+        log.info("%s head %s: %s weights%s", cls.name, path, qtype,
+                 f" (GPTQ blocks from {drafter.packed_blocks})" if blocks else "")
         return drafter
 
     @classmethod

@@ -44,6 +44,7 @@ DEFAULT_PROMPTS = os.path.normpath(os.path.join(REPO_DIR, "..", "shared", "data"
 KINDS = ("eagle3", "mtp")  # the keys of head_kinds.HEAD_KINDS (that module imports torch)
 TRAIN_DTYPES = ("auto", "bfloat16", "float32")
 MAX_LAYERS = 8  # models.eagle3_head.MAX_LAYERS (that module imports torch)
+PACK_TYPES = ("q4_1", "q4_0", "q8_0", "none")  # packed_head.HEAD_WEIGHTS blocks; none: no file
 TRAIN_CATEGORIES = ("gsm8k", "code_completion")  # the only dev categories that are not judged
 HELDOUT_CATEGORIES = ("mt_bench", "qa", "math_reasoning", "translation")
 CACHE_DIRNAME = "head_cache"  # default --data-dir inside --out
@@ -73,6 +74,13 @@ class HeadTrainConfig:
     # no training: measure the head saved in OUT on the held-out answers and update the
     # `heldout` figures of its recipe.json (e.g. a head made before a figure was added)
     eval_only: bool = False
+    # the block type the drafter runs the head's linears in on the CPU, rounded by GPTQ on the
+    # training data and written beside the head (`training/head_pack.py`); none: not written
+    pack: str = "q4_1"
+    pack_rows: int = 32  # calibration rows of --seq-len tokens from the training shards
+    pack_damp: float = 0.01  # GPTQ's damping, a share of the inputs' mean square
+    # no training: write the packed blocks of the head saved in OUT (and their held-out figures)
+    pack_only: bool = False
     aux_layers: list[int] | None = None  # published ids (input of layer i); default EAGLE-3's
     draft_vocab: int = 8192
     # hidden units of the head's MLP (eagle3); 0 = the head this run continues (its checkpoint
@@ -141,8 +149,15 @@ class HeadTrainConfig:
             raise ValueError("train-head: --lr must be > 0 and time budgets >= 0")
         if self.data_dir is None:
             self.data_dir = os.path.join(self.out, CACHE_DIRNAME)
-        if self.eval_only and self.generate_only:
-            raise ValueError("train-head: --eval-only and --generate-only exclude each other")
+        if self.eval_only + self.generate_only + self.pack_only > 1:
+            raise ValueError("train-head: --eval-only, --generate-only and --pack-only exclude "
+                             "each other")
+        if self.pack not in PACK_TYPES or (self.pack_only and self.pack == "none"):
+            raise ValueError(f"train-head: --pack must be one of {PACK_TYPES} (not none with "
+                             f"--pack-only), got {self.pack!r}")
+        if self.pack_rows < 1 or not 0.0 < self.pack_damp <= 1.0:
+            raise ValueError(f"train-head: --pack-rows must be >= 1 and --pack-damp in (0, 1], "
+                             f"got {self.pack_rows} and {self.pack_damp}")
 
     def _check_train_prompts(self) -> None:
         """--train-prompts must be readable and hold none of the held-out categories."""
@@ -220,7 +235,8 @@ def run_train_head(args) -> int:
     # 1) data: extend the feature cache (reused as is when it already covers --num-items)
     cache = generate_data(cfg.model, spec, cfg.data_dir, num_items=cfg.num_items,
                           batch_items=cfg.batch_items,
-                          time_budget_s=0.0 if cfg.eval_only else cfg.gen_time_budget_min * 60,
+                          time_budget_s=0.0 if cfg.eval_only or cfg.pack_only
+                          else cfg.gen_time_budget_min * 60,
                           threads=cfg.threads, max_num_seqs=cfg.max_num_seqs,
                           sharegpt_limit=cfg.sharegpt_limit or None)
     print(f"data: {cache.next_item} prompts, {cache.num_tokens} tokens in {cache.folder}",
@@ -229,6 +245,8 @@ def run_train_head(args) -> int:
         return 0
     if cfg.eval_only:
         return run_eval_only(cfg, target, load_with_extra(cache, []))
+    if cfg.pack_only:
+        return run_pack(cfg, target, load_with_extra(cache, cfg.extra_data))
     data = load_with_extra(cache, cfg.extra_data)
     # 2) the draft vocabulary, then the head (resumed from a checkpoint in OUT when present)
     from speculant.models.loader import resolve_model
@@ -243,6 +261,22 @@ def run_train_head(args) -> int:
     with open(os.path.join(cfg.out, "recipe.json"), "w") as f:
         json.dump(recipe, f, indent=1)
     print_recipe(recipe)
+    # 4) the blocks the drafter runs, rounded against what the head reads
+    if cfg.pack != "none":
+        run_pack(cfg, target, data)
+    return 0
+
+
+def run_pack(cfg: HeadTrainConfig, target, data) -> int:
+    """--pack (after training) and --pack-only: the head in OUT rounded by GPTQ into --pack
+    blocks beside it, their held-out figures merged into its recipe.json."""
+    from speculant.training.head_pack import pack_head, write_packed_figures
+
+    figures = pack_head(cfg, target, data)
+    write_packed_figures(cfg.out, figures)
+    print(json.dumps({"heldout_packed": {k: figures[k] for k in (
+        "qtype", "first_token_agreement", "acceptance_per_pos", "expected_accepted_length",
+        "per_category")}}), flush=True)
     return 0
 
 

@@ -75,6 +75,19 @@ def test_tiny_run_writes_a_head_and_its_recipe(tiny_head):
         pytest.approx(h["acceptance_per_pos"][0], abs=1e-3)  # its agreement, bin by bin
 
 
+def test_the_run_writes_gptq_blocks_and_their_heldout_figures(tiny_head):
+    """The default --pack q4_1: the head's linears rounded by GPTQ on training rows, beside the
+    head, with the held-out figures of the head as they compute."""
+    kind, out, recipe, _ = tiny_head
+    assert os.path.isfile(os.path.join(out, "model.q4_1.safetensors"))
+    p = recipe["heldout_packed"]
+    assert (p["qtype"], p["method"], p["file"]) == ("Q4_1", "gptq", "model.q4_1.safetensors")
+    assert p["calibration_rows"] >= 1 and p["calibration_tokens"] > 0
+    assert p["positions"] == recipe["heldout"]["positions"]
+    assert 1.0 <= p["expected_accepted_length"] <= 3.0
+    assert sum(p["first_token_calibration"]["share"]) == pytest.approx(1.0, abs=1e-3)
+
+
 def test_greedy_output_with_the_trained_head_equals_plain(tiny_head):
     """The speculator of the run's kind loads the written head (reading the kind's layers); it
     drafts, and greedy speculative output equals plain decoding."""
@@ -86,6 +99,7 @@ def test_greedy_output_with_the_trained_head_equals_plain(tiny_head):
                     max_num_seqs=2, num_threads=TEST_THREADS, kv_cache_tokens=2048)
     assert engine.speculator(kind).hidden_layers == CAPTURE_LAYERS[kind]
     assert engine.speculator(kind).calibration_prior is not None  # from the recipe
+    assert engine.speculator(kind).packed_blocks == "model.q4_1.safetensors"  # GPTQ'd linears
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}])
                for p in PROMPTS[2:]]
     params = dict(max_tokens=24, temperature=0.0)
@@ -140,6 +154,63 @@ def test_eval_only_measures_the_saved_head_into_its_recipe(tiny_head, tmp_path):
         assert f.read() == checkpoint  # nothing trained
 
 
+def test_pack_only_rewrites_the_blocks_of_the_saved_head(tiny_head, tmp_path):
+    """--pack-only trains nothing: the head in OUT rounded again (other calibration rows), its
+    figures replaced in the recipe, the run's own figures and the checkpoint kept."""
+    import shutil
+
+    kind, out, _, prompts = tiny_head
+    copy = str(tmp_path / "head")
+    shutil.copytree(out, copy)
+    os.remove(os.path.join(copy, "model.q4_1.safetensors"))
+    with open(os.path.join(copy, "recipe.json")) as f:
+        old = json.load(f)
+    with open(os.path.join(copy, "checkpoint.pt"), "rb") as f:
+        checkpoint = f.read()
+    assert train_head("--kind", kind, "--out", copy, "--prompts", prompts, "--pack-only",
+                      "--pack-rows", "1", *TINY) == 0
+    with open(os.path.join(copy, "recipe.json")) as f:
+        new = json.load(f)
+    assert os.path.isfile(os.path.join(copy, "model.q4_1.safetensors"))
+    assert new["heldout_packed"]["calibration_rows"] == 1
+    assert new["heldout"] == old["heldout"] and new["train"] == old["train"]
+    with open(os.path.join(copy, "checkpoint.pt"), "rb") as f:
+        assert f.read() == checkpoint
+
+
+def test_the_drafter_starts_from_the_calibration_of_the_weights_it_runs(tmp_path):
+    """With its GPTQ blocks loaded the drafter reads `heldout_packed`'s table (the head as those
+    blocks compute); rounding the float weights, the float head's (`heldout`)."""
+    from speculant.speculators.calibration import NUM_BINS, CalibrationPrior
+    from speculant.speculators.feature_drafter import read_calibration_prior
+
+    def table(hot: int) -> dict:
+        share = [0.0] * NUM_BINS
+        share[hot] = 1.0
+        return {"share": share, "mean_prob": [0.5] * NUM_BINS, "rate": [0.5] * NUM_BINS}
+
+    (tmp_path / "recipe.json").write_text(json.dumps({
+        "heldout": {"first_token_calibration": table(1)},
+        "heldout_packed": {"first_token_calibration": table(2)}}))
+    assert read_calibration_prior(str(tmp_path), packed=True) == CalibrationPrior.from_table(table(2))
+    assert read_calibration_prior(str(tmp_path)) == CalibrationPrior.from_table(table(1))
+    (tmp_path / "recipe.json").write_text(json.dumps({  # a recipe from before packing
+        "heldout": {"first_token_calibration": table(1)}}))
+    assert read_calibration_prior(str(tmp_path), packed=True) == CalibrationPrior.from_table(table(1))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pack", "q5_k"], "--pack must be one of"),
+    (["--pack-only", "--pack", "none"], "not none with --pack-only"),
+    (["--pack-only", "--eval-only"], "exclude each other"),
+    (["--pack-rows", "0"], "--pack-rows must be >= 1"),
+    (["--pack-damp", "0"], "--pack-damp in"),
+])
+def test_bad_pack_flags_are_refused_by_name(flags, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        train_head("--out", str(tmp_path / "h"), *flags)
+
+
 def test_a_broken_prior_in_a_heads_recipe_is_refused_naming_the_file(tiny_head, tmp_path):
     import shutil
 
@@ -150,7 +221,8 @@ def test_a_broken_prior_in_a_heads_recipe_is_refused_naming_the_file(tiny_head, 
     shutil.copytree(out, copy, ignore=shutil.ignore_patterns("head_cache"))
     with open(os.path.join(copy, "recipe.json")) as f:
         recipe = json.load(f)
-    recipe["heldout"]["first_token_calibration"]["rate"] = [0.5] * 3
+    for section in ("heldout", "heldout_packed"):  # the drafter reads the packed head's
+        recipe[section]["first_token_calibration"]["rate"] = [0.5] * 3
     with open(os.path.join(copy, "recipe.json"), "w") as f:
         json.dump(recipe, f)
     with pytest.raises(ValueError, match=r"recipe\.json: first_token_calibration\.rate"):
