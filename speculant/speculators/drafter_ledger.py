@@ -130,7 +130,13 @@ class DrafterLedger:
             return True
         acct.rounds += 1
         lost = acct.gain < loss_share * acct.cost
-        early = lost and acct.rounds >= WINDOW_ROUNDS // 2 and acct.cost >= 2 * MIN_COST_TOKENS
+        # early: the window has already lost twice MIN_COST_TOKENS net (cost beyond gain), not
+        # merely cost that much. Judged by its cost alone, `eagle3` at c=1 rested on half
+        # windows that had gained 3 tokens for 8 (a window of a head paying 1.3x on mt_bench,
+        # whose windows gained a median 1.7x their cost: ad hoc /tmp/s27/ledgerlog.py) once
+        # per 40 mt_bench or translation prompts, 64 rounds without drafts each time.
+        early = (lost and acct.rounds >= WINDOW_ROUNDS // 2
+                 and acct.cost - acct.gain >= 2 * MIN_COST_TOKENS)
         if not early and (acct.rounds < WINDOW_ROUNDS or acct.cost < MIN_COST_TOKENS):
             return False
         acct.gain = acct.cost = 0.0

@@ -57,6 +57,19 @@ def test_a_losing_drafter_rests_longer_after_each_losing_window_and_is_tried_aga
     assert rest_length(ledger) == FIRST_REST
 
 
+def test_a_marginal_loss_is_judged_on_its_whole_window_a_decisive_one_early():
+    """A window ends before WINDOW_ROUNDS only once it has lost twice MIN_COST_TOKENS net:
+    3 tokens gained for 8 of cost (a head's unlucky stretch alone) waits for the whole window."""
+    ledger = DrafterLedger()
+    per_round_cost = 2 * MIN_COST_TOKENS / (0.75 * WINDOW_ROUNDS)  # 8 tokens at 24 rounds
+    rounds, rests = run_window(ledger, gain_per_round=0.375 * per_round_cost,
+                               cost_per_round=per_round_cost, bucket=1)
+    assert rests and rounds == WINDOW_ROUNDS  # still a loss at LOSS_SHARE, judged at the end
+    ledger = DrafterLedger()
+    rounds, rests = run_window(ledger, gain_per_round=0.0, cost_per_round=1.0, bucket=1)
+    assert rests and rounds == WINDOW_ROUNDS // 2  # 16 tokens lost: decisive
+
+
 @pytest.mark.parametrize("bucket, share", [(1, LOSS_SHARE), (2, LOSS_SHARE),
                                            (WIDE_BUCKET, WIDE_LOSS_SHARE), (8, WIDE_LOSS_SHARE)])
 def test_a_window_gaining_more_than_its_loss_share_does_not_rest(bucket, share):
