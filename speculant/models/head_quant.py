@@ -129,6 +129,12 @@ def packable_linears(module: nn.Module) -> dict[str, nn.Linear]:
             if isinstance(m, nn.Linear) and m.bias is None and m.in_features % BLOCK_SIZE == 0}
 
 
+def replace_linear(module: nn.Module, key: str, new: nn.Module) -> None:
+    """Put `new` where the linear whose weight has state-dict key `key` sits below `module`."""
+    parent, _, name = key[:-len(".weight")].rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, name, new)
+
+
 def input_grams(head: nn.Module, calibrate: Callable[[], None]) -> dict[str, torch.Tensor]:
     """Gram matrices [in, in] (float64) of every packable linear's inputs while `calibrate()`
     runs the head on calibration data."""
@@ -180,11 +186,9 @@ class DequantizedLinear(nn.Module):
 
 def with_blocks(head: nn.Module, blocks: dict[str, GGMLBlocks]) -> nn.Module:
     """`head` (modified in place) with each linear named in `blocks` computing as packed."""
-    for key, linear in packable_linears(head).items():
+    for key in packable_linears(head):
         if key in blocks:
-            parent, _, name = key[:-len(".weight")].rpartition(".")
-            setattr(head.get_submodule(parent) if parent else head, name,
-                    DequantizedLinear(blocks[key]))
+            replace_linear(head, key, DequantizedLinear(blocks[key]))
     return head
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from speculant.kernels import PackedLinear, native_available
 from speculant.kernels.ggml_blocks import GGMLBlocks
-from speculant.models.head_quant import load_packed, packable_linears
+from speculant.models.head_quant import load_packed, packable_linears, replace_linear
 
 HEAD_WEIGHTS = ("float32", "q8_0", "q4_1", "q4_0")
 DEFAULT_CPU_HEAD_WEIGHTS = "q4_1"
@@ -47,9 +47,7 @@ def pack_linears(module: nn.Module, qtype: str,
     key, `head_quant.load_packed`) where given; returns how many were replaced."""
     count = 0
     for key, linear in packable_linears(module).items():
-        parent, _, name = key[:-len(".weight")].rpartition(".")
-        owner = module.get_submodule(parent) if parent else module
-        setattr(owner, name, PackedLinearModule(linear, qtype, (blocks or {}).get(key)))
+        replace_linear(module, key, PackedLinearModule(linear, qtype, (blocks or {}).get(key)))
         count += 1
     return count
 

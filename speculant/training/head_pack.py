@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+from itertools import islice
 
 import torch
 
@@ -22,13 +23,8 @@ CALIBRATION_SEED_OFFSET = 7919  # calibration rows are drawn apart from the trai
 
 def calibration_rows(data, seq_len: int, num_rows: int, seed: int) -> list:
     """`num_rows` packed rows of the training shards (never the held-out answers)."""
-    stream = row_stream(data.shards, seq_len, seed + CALIBRATION_SEED_OFFSET)
-    rows = []
-    for row in stream:
-        rows.append(row)
-        if len(rows) == num_rows:
-            break
-    return rows
+    return list(islice(row_stream(data.shards, seq_len, seed + CALIBRATION_SEED_OFFSET),
+                       num_rows))
 
 
 def run_head(head, rows: list, num_steps: int) -> None:
