@@ -391,21 +391,22 @@ class Engine:
         # its next token (the last of token_ids, fed by the next decode step).
         wants_logits = start + n == seq.num_prompt and seq.num_generated == 0
         return SeqChunk(seq.seq_id, start, seq.token_ids[start:start + n], int(wants_logits),
-                        self._feature_rows(seq, n), seq.num_prompt)
+                        self._feature_rows(seq, n, max(0, seq.num_prompt - start - n)),
+                        seq.num_prompt)
 
     def _decode_chunk(self, seq: Sequence, draft: Draft | None) -> SeqChunk:
         tokens = [seq.token_ids[-1]] + (draft.token_ids if draft is not None else [])
         return SeqChunk(seq.seq_id, seq.num_computed, tokens, len(tokens),
                         self._feature_rows(seq, len(tokens)))
 
-    def _feature_rows(self, seq: Sequence, num_tokens: int) -> int:
+    def _feature_rows(self, seq: Sequence, num_tokens: int, tokens_after: int = 0) -> int:
         """How many of a chunk's newest tokens need the target's features, when the step
         captures some: all for a request that asked for them, else those its speculators read
-        (a long prompt chunk's newest; copying every row of a 1,500-token prompt at four
-        layers cost ~1% of a rag run at c=8)."""
+        (a long prompt's newest, `tokens_after` its tokens after the chunk; copying every row
+        of a 1,500-token prompt at four layers cost ~1% of a rag run at c=8)."""
         if seq.capture_layers:
             return num_tokens
-        return self.chain.feature_rows(seq.seq_id, seq.spec_types, num_tokens) \
+        return self.chain.feature_rows(seq.seq_id, seq.spec_types, num_tokens, tokens_after) \
             if seq.spec_types else 0
 
     def _propose(self, decoding: list[Sequence]) -> dict[int, Draft]:

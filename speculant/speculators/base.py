@@ -375,11 +375,13 @@ class Speculator(ABC):
         following it (priced per sequence by the chain, `call_cost.py`); 0 by default."""
         return 0
 
-    def feature_rows(self, seq_id: int, num_tokens: int) -> int:
+    def feature_rows(self, seq_id: int, num_tokens: int, tokens_after: int = 0) -> int:
         """Of a chunk of `num_tokens` tokens of sequence `seq_id`, how many (the newest) this
         speculator reads the target's features of (`hidden_layers`); the target captures no
         more when no other reader wants them, and no layer at all in a step where nobody
-        wants rows. Default: all."""
+        wants rows. `tokens_after`: prompt tokens still to come after the chunk (0 for the
+        prompt's last chunk and for decode chunks); a chunk none of whose rows are read is
+        handed to `process` without features. Default: all."""
         return num_tokens
 
     def rest(self, seq_id: int) -> None:

@@ -231,10 +231,12 @@ class SpeculatorChain:
             layers.update(self.speculators[name].hidden_layers)
         return tuple(sorted(layers))
 
-    def feature_rows(self, seq_id: int, types, num_tokens: int) -> int:
-        """Of a chunk of `num_tokens` tokens of sequence `seq_id`, how many (the newest) the
-        speculators `types` read the target's features of (0 when none reads them now)."""
-        return max((self.speculators[name].feature_rows(seq_id, num_tokens) for name in types
+    def feature_rows(self, seq_id: int, types, num_tokens: int, tokens_after: int = 0) -> int:
+        """Of a chunk of `num_tokens` tokens of sequence `seq_id` (`tokens_after` prompt tokens
+        after it), how many (the newest) the speculators `types` read the target's features of
+        (0 when none reads them now)."""
+        return max((self.speculators[name].feature_rows(seq_id, num_tokens, tokens_after)
+                    for name in types
                     if self.speculators[name].hidden_layers), default=0)
 
     def check_types(self, types) -> tuple[str, ...]:
@@ -334,6 +336,8 @@ class SpeculatorChain:
                             self._seqs[r.seq_id], proposals[r.seq_id], r.params.n_min,
                             cost_per_token))
                 rival = {r.seq_id: best_of[r.seq_id][2] for r in mine}
+                mine = [r for r in mine if not self._outbid(name, r.seq_id, rival[r.seq_id],
+                                                            cost_per_token)]
                 mine = mine and self._budget_model_drafts(name, mine, cost_per_token,
                                                           seconds_per_token, rival)
             if not mine:
@@ -599,6 +603,17 @@ class SpeculatorChain:
                     survival=None if cal is None else Survival(cal, state.calib[name].scale)),
                     r.draws, r.num_prompt_tokens))
         return out
+
+    def _outbid(self, name: str, seq_id: int, rival: float, cost_per_token: float) -> bool:
+        """Whether the best model-free draft's net gain `rival` already beats what any first
+        token of drafter `name` could gain: asking is then not even priced. (The shortcut of
+        `_budget_model_drafts`, exact: a sequence whose value of asking is <= 0 is never asked,
+        nor given a shadow draft while a rival drafts. Priced at every step, the head cost
+        ~30 us a step on summarization at c=1, where the n-gram drafts win.)"""
+        cal = self._calibration.get(name)
+        top = None if cal is None or rival <= 0 else cal.top_first_rate()
+        return top is not None and \
+            min(1.0, self._seqs[seq_id].calib[name].scale * top) <= cost_per_token + rival
 
     def _revival_cost(self, name: str, seq_id: int, seconds_per_token: float) -> float:
         """Tokens' worth of the rows asking `name` for `seq_id` would compute only because it

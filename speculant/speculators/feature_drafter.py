@@ -367,6 +367,9 @@ class FeatureDrafter(Speculator):
         the draft context)."""
         batch = [c for c in batch if c.seq_id in self._seqs and c.token_ids
                  and not self._seqs[c.seq_id].dormant]
+        for c in [c for c in batch if c.step_features is None and c.next_token_id is None]:
+            self._skip_unread(c)  # a prompt chunk before the window (`feature_rows`)
+        batch = [c for c in batch if c.step_features is not None or c.next_token_id is not None]
         missing = [c.seq_id for c in batch if c.step_features is None]
         if missing:
             raise ValueError(f"{self.name}: no target features for sequence {missing[0]}")
@@ -387,23 +390,43 @@ class FeatureDrafter(Speculator):
             with torch.inference_mode():
                 self._compute_committed(chunks)
 
-    def feature_rows(self, seq_id: int, num_tokens: int) -> int:
+    def feature_rows(self, seq_id: int, num_tokens: int, tokens_after: int = 0) -> int:
         """No row of a dormant sequence (DORMANT_AFTER); of a chunk longer than MAX_WAITING the
         newest HEAD_WINDOW: it restarts the head's window there (`process`), the older rows'
-        features would never be read."""
+        features would never be read. Of a prompt chunk with `tokens_after` prompt tokens
+        after it, those among the prompt's newest HEAD_WINDOW: a long prompt restarts the
+        window there anyway (at c=8 a prompt goes in 32-token chunks beside the decoding
+        sequences; capturing, keeping and re-joining all of a 900-token summarization
+        prompt's rows for a head that was then never asked was ~1% of the run)."""
         state = self._seqs.get(seq_id)
         if state is not None and state.dormant:
             return 0
+        if tokens_after > 0:
+            return max(0, min(num_tokens, HEAD_WINDOW - tokens_after))
         return num_tokens if num_tokens <= MAX_WAITING else HEAD_WINDOW
+
+    def _check_no_gap(self, c: CommittedTokens, state: _SeqState) -> None:
+        known = state.base + state.cached_len + len(state.tokens)  # positions seen
+        if c.start_pos > known:
+            raise ValueError(f"{self.name}: sequence {c.seq_id} skipped positions "
+                             f"{known}..{c.start_pos - 1}")
+
+    def _skip_unread(self, c: CommittedTokens) -> None:
+        """A prompt chunk none of whose rows the head reads came without features (the step
+        captured none): the head's window restarts after it, as for a chunk whose rows all
+        had `feature_skip`."""
+        state = self._seqs[c.seq_id]
+        self._check_no_gap(c, state)
+        self.cache.truncate(c.seq_id, 0)
+        state.base, state.cached_len, state.tokens = c.start_pos + len(c.token_ids), 0, []
+        state.clear_features()
+        state.next_token, state.last = None, None
 
     def _append(self, state: _SeqState, c: CommittedTokens) -> None:
         # c's features are kept as a reference to its rows of the step's features (joined with
         # the sequence's other waiting rows when read or piling up)
+        self._check_no_gap(c, state)
         start = c.start_pos - state.base  # head slot of c's first token
-        known = state.cached_len + len(state.tokens)
-        if start > known:
-            raise ValueError(f"{self.name}: sequence {c.seq_id} skipped positions "
-                             f"{state.base + known}..{c.start_pos - 1}")
         # restart the window where c's features start when the target recomputed positions
         # before it, or captured only c's newest tokens (`feature_rows`)
         if start < 0 or c.feature_skip:

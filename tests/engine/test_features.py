@@ -118,7 +118,7 @@ class WindowProbe(FeatureProbe):
 
     name = "window_probe"
 
-    def feature_rows(self, seq_id, num_tokens):
+    def feature_rows(self, seq_id, num_tokens, tokens_after=0):
         return min(num_tokens, 4)
 
 

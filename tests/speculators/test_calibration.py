@@ -338,3 +338,26 @@ def test_the_chain_starts_from_a_drafters_shipped_prior():
     assert asked["good"] and asked["good"][0].context_tokens == 0  # priced: reads its prompt
     assert not asked["bad"]
     assert asked["none"] and asked["none"][0].context_tokens > 0  # a first read of a window
+
+
+def test_a_priced_drafter_a_model_free_draft_outbids_is_not_even_priced(monkeypatch):
+    """Where the best model-free draft's net gain beats anything a calibrated drafter's first
+    token could gain, the chain neither asks the drafter nor prices asking it; where the
+    model-free draft gains less, it prices and asks it."""
+    from test_chain import Fixed  # this folder is on sys.path (rootdir conftest)
+
+    text = list(range(2000, 4000))
+    budgeted = []
+    budget = SpeculatorChain._budget_model_drafts
+    monkeypatch.setattr(SpeculatorChain, "_budget_model_drafts",
+                        lambda self, name, reqs, *a: budgeted.append(name) or budget(
+                            self, name, reqs, *a))
+    for expected, asked in ((4.0, False), (0.2, True)):
+        model = ConfidentModel("model", text, lambda pos: (0.95, True))
+        model.calibration_prior = _prior(0.95)
+        copier = Fixed("copy", text[10:14], expected=expected)
+        chain = SpeculatorChain([model, copier], probe_interval=1000)
+        chain.begin(0, text[:10], ("model", "copy"))
+        budgeted.clear()
+        chain.draft([DraftRequest(0, text[:10], DraftParams(n_max=4))], 0.3, 0.01)
+        assert bool(model.asked) == asked and bool(budgeted) == asked

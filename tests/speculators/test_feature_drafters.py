@@ -459,6 +459,41 @@ def test_a_long_chunk_needs_the_features_of_its_window_only(eagle_engine, monkey
         probe.end(windowed)
 
 
+def test_a_prompt_in_chunks_needs_the_features_of_its_newest_window_only(eagle_engine,
+                                                                         monkeypatch):
+    """A prompt fed in chunks: the drafter reads the rows among the prompt's newest
+    HEAD_WINDOW (`feature_rows` with the prompt tokens after the chunk), so the chunks
+    before come without features (the step captured none) and the one that straddles the
+    window with its newest rows only; it drafts what it drafts fed every row in one chunk.
+    A chunk without features that leaves a gap is refused."""
+    from speculant.speculators.base import CommittedTokens, DraftParams, DraftRequest
+
+    probe, history, n, feats = small_window_probe(eagle_engine, monkeypatch)
+    cuts = [0, 6, 12, n - 7, n]  # chunks of 6, 6, n - 19 and 7 tokens
+    rows = [probe.feature_rows(-1, b - a, n - b) for a, b in zip(cuts, cuts[1:])]
+    assert rows == [0, 0, 3, 7]
+    full, chunked = 10**6 + 10, 10**6 + 11
+    drafts = {}
+    try:
+        probe.begin(full, history[:n])
+        probe.process([CommittedTokens(full, 0, history[:n], history[n], feats)])
+        probe.begin(chunked, history[:n])
+        for (a, b), num in zip(zip(cuts, cuts[1:]), rows):
+            step = {i: f[b - num:b] for i, f in feats.items()} if num else None
+            probe.process([CommittedTokens(chunked, a, history[a:b],
+                                           history[n] if b == n else None, step,
+                                           feature_skip=b - a - num if num else 0)])
+        assert probe._seqs[chunked].base == n - 10
+        for seq_id in (full, chunked):
+            drafts[seq_id] = probe.draft([DraftRequest(seq_id, history, DraftParams(n_max=3))])
+        assert drafts[chunked][chunked].token_ids == drafts[full][full].token_ids
+        with pytest.raises(ValueError, match="skipped positions"):
+            probe.process([CommittedTokens(chunked, n + 5, history[:2], None, None)])
+    finally:
+        probe.end(full)
+        probe.end(chunked)
+
+
 def test_a_sequence_the_head_is_never_asked_for_falls_dormant(eagle_engine, monkeypatch):
     """A sequence the chain never asks the head for is dormant after DORMANT_AFTER generated
     tokens: the target's steps capture no layer for it from then on, and the output still
@@ -485,6 +520,40 @@ def test_a_sequence_the_head_is_never_asked_for_falls_dormant(eagle_engine, monk
     # the prompt and 5 generated tokens (one step each: nothing drafts) with the head's
     # layers, then none for the 11 steps left
     assert captured == [tuple(sorted(layers))] * 6 + [()] * 10
+    assert eagle_engine.stats.num_speculator_errors == 0
+
+
+def test_a_prompt_in_chunks_captures_its_newest_window_only(eagle_engine, monkeypatch):
+    """A prompt prefilled in 8-token chunks: the target captures the head's layers for the
+    rows among the prompt's newest HEAD_WINDOW (6) only, none for the chunks before, and the
+    speculative output still equals plain decoding."""
+    from speculant.engine import scheduler
+    from speculant.speculators import feature_drafter
+
+    monkeypatch.setattr(feature_drafter, "HEAD_WINDOW", 6)
+    monkeypatch.setattr(scheduler, "MIN_PREFILL_CHUNK", 8)
+    monkeypatch.setattr(eagle_engine.scheduler, "max_num_batched_tokens", 8)
+    prompts = chats(eagle_engine, PROMPTS[:1])
+    plain = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                             spec=SpecParams(enabled=False)))
+    rows = []
+    forward = eagle_engine.model.forward
+
+    def spy(batch, cache):
+        out = forward(batch, cache)
+        rows.append(sum(h.shape[0] for h in out.hidden_states.values())
+                    // max(1, len(out.hidden_states)))
+        return out
+
+    monkeypatch.setattr(eagle_engine.model, "forward", spy)
+    spec = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                            spec=SpecParams(n_max=3)))
+    assert spec[0].output_ids == plain[0].output_ids
+    num_prompt = len(eagle_engine.tokenizer.encode(prompts[0]))
+    num_chunks = -(-num_prompt // 8)
+    last = num_prompt - 8 * (num_chunks - 1)  # the last chunk's length
+    assert rows[:num_chunks - 2] == [0] * (num_chunks - 2)
+    assert rows[num_chunks - 2:num_chunks] == [max(0, 6 - last), min(6, last)]
     assert eagle_engine.stats.num_speculator_errors == 0
 
 
