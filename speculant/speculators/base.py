@@ -384,6 +384,12 @@ class Speculator(ABC):
         handed to `process` without features. Default: all."""
         return num_tokens
 
+    def follows(self, seq_id: int) -> bool:
+        """Whether `process` reads anything of `seq_id`'s committed tokens now (a model drafter
+        resting or dormant for it reads nothing: the chain then does not call it). Default:
+        yes."""
+        return True
+
     def rest(self, seq_id: int) -> None:
         """The chain will not ask this drafter for `seq_id` for a while (it lost there:
         `drafter_ledger.py`): drop what following the sequence costs. Default: nothing."""

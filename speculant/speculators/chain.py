@@ -265,6 +265,8 @@ class SpeculatorChain:
             self._score_losers(c)
         for name, spec in self.speculators.items():
             mine = [c for c in batch if c.seq_id in self._seqs and name in self._seqs[c.seq_id].types]
+            if spec.is_model_based:  # none of a dormant sequence's tokens: no call, no charge
+                mine = [c for c in mine if spec.follows(c.seq_id)]
             if mine:
                 t0 = self._clock()
                 with self._timed(name, "process"):
@@ -337,7 +339,7 @@ class SpeculatorChain:
                             cost_per_token))
                 rival = {r.seq_id: best_of[r.seq_id][2] for r in mine}
                 mine = [r for r in mine if not self._outbid(name, r.seq_id, rival[r.seq_id],
-                                                            cost_per_token)]
+                                                            cost_per_token, seconds_per_token)]
                 mine = mine and self._budget_model_drafts(name, mine, cost_per_token,
                                                           seconds_per_token, rival)
             if not mine:
@@ -604,16 +606,20 @@ class SpeculatorChain:
                     r.draws, r.num_prompt_tokens))
         return out
 
-    def _outbid(self, name: str, seq_id: int, rival: float, cost_per_token: float) -> bool:
+    def _outbid(self, name: str, seq_id: int, rival: float, cost_per_token: float,
+                seconds_per_token: float) -> bool:
         """Whether the best model-free draft's net gain `rival` already beats what any first
-        token of drafter `name` could gain: asking is then not even priced. (The shortcut of
-        `_budget_model_drafts`, exact: a sequence whose value of asking is <= 0 is never asked,
-        nor given a shadow draft while a rival drafts. Priced at every step, the head cost
-        ~30 us a step on summarization at c=1, where the n-gram drafts win.)"""
+        token of drafter `name` could gain, less what asking would re-read (`_revival_cost`):
+        asking is then not even priced. (The shortcut of `_budget_model_drafts`, exact: a
+        sequence whose value of asking is <= 0 is never asked, nor given a shadow draft while
+        a rival drafts. Priced at every step, the head cost ~30 us a step on summarization
+        at c=1, where the n-gram drafts win.)"""
         cal = self._calibration.get(name)
         top = None if cal is None or rival <= 0 else cal.top_first_rate()
-        return top is not None and \
-            min(1.0, self._seqs[seq_id].calib[name].scale * top) <= cost_per_token + rival
+        if top is None:
+            return False
+        best = min(1.0, self._seqs[seq_id].calib[name].scale * top) - cost_per_token - rival
+        return best <= 0 or best <= self._revival_cost(name, seq_id, seconds_per_token)
 
     def _revival_cost(self, name: str, seq_id: int, seconds_per_token: float) -> float:
         """Tokens' worth of the rows asking `name` for `seq_id` would compute only because it

@@ -458,6 +458,10 @@ class FeatureDrafter(Speculator):
         state.clear_features()
         state.dormant = True
 
+    def follows(self, seq_id: int) -> bool:
+        state = self._seqs.get(seq_id)
+        return state is not None and not state.dormant
+
     def rest(self, seq_id: int) -> None:
         """Dormant until woken: no features kept, none captured (`feature_rows`)."""
         state = self._seqs.get(seq_id)

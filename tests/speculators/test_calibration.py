@@ -361,3 +361,45 @@ def test_a_priced_drafter_a_model_free_draft_outbids_is_not_even_priced(monkeypa
         budgeted.clear()
         chain.draft([DraftRequest(0, text[:10], DraftParams(n_max=4))], 0.3, 0.01)
         assert bool(model.asked) == asked and bool(budgeted) == asked
+
+
+def test_a_drafter_asked_again_only_at_a_revival_cost_a_rival_covers_is_not_priced(monkeypatch):
+    """A sequence the drafter stopped following costs a revival to ask; where the model-free
+    draft's gain plus that revival beats the drafter's best first token, the chain skips
+    pricing it, where the same draft without a revival to pay still gets it priced."""
+    from test_chain import Fixed
+
+    text = list(range(2000, 4000))
+    budgeted = []
+    budget = SpeculatorChain._budget_model_drafts
+    monkeypatch.setattr(SpeculatorChain, "_budget_model_drafts",
+                        lambda self, name, reqs, *a: budgeted.append(name) or budget(
+                            self, name, reqs, *a))
+    for revival_rows, priced in ((0, True), (128, False)):
+        model = ConfidentModel("model", text, lambda pos: (0.95, True))
+        model.calibration_prior = _prior(0.95)
+        model.revival_rows = lambda seq_id, rows=revival_rows: rows
+        chain = SpeculatorChain([model, Fixed("copy", text[10:11], expected=0.4)],
+                                probe_interval=1000)
+        chain._call_cost["model"].row_s = 0.001  # a revived row: 0.1 tokens' worth at 10 ms
+        chain.begin(0, text[:10], ("model", "copy"))
+        budgeted.clear()
+        chain.draft([DraftRequest(0, text[:10], DraftParams(n_max=4))], 0.3, 0.01)
+        assert bool(budgeted) == priced
+
+
+def test_the_chain_does_not_call_a_model_drafter_for_sequences_it_does_not_follow():
+    """`process` goes to a model drafter with the sequences it follows only."""
+    from speculant.speculators.base import CommittedTokens
+
+    text = list(range(2000, 4000))
+    seen = []
+    model = ConfidentModel("model", text, lambda pos: (0.95, True))
+    model.follows = lambda seq_id: seq_id != 1
+    model.process = lambda batch: seen.append([c.seq_id for c in batch])
+    chain = SpeculatorChain([model], probe_interval=1000)
+    for seq_id in (0, 1):
+        chain.begin(seq_id, text[:10], ("model",))
+    chain.process([CommittedTokens(s, 0, text[:10], text[10]) for s in (0, 1)])
+    chain.process([CommittedTokens(1, 10, text[10:11], text[11])])
+    assert seen == [[0]]
