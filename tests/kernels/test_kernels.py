@@ -587,8 +587,9 @@ def tiny_model(qtype: str, variant: str = "plain", num_heads: int = 6, seed: int
     return cfg, w
 
 
-def run_two_steps(model, chunks_per_step):
-    """Prefill then decode/verify through the model; returns both steps' outputs."""
+def run_two_steps(model, chunks_per_step, layers=(0,)):
+    """Prefill then decode/verify through the model, capturing `layers`; returns both steps'
+    outputs."""
     from speculant.engine.forward_batch import build_forward_batch
 
     cache = model.new_kv_cache(num_blocks=32, block_size=8)
@@ -597,7 +598,8 @@ def run_two_steps(model, chunks_per_step):
         for c in chunks:
             if not cache.has(c.seq_id):
                 cache.allocate(c.seq_id)
-        outputs.append(model.forward(build_forward_batch(cache, chunks, hidden_layers=(0,)), cache))
+        outputs.append(model.forward(build_forward_batch(cache, chunks, hidden_layers=layers),
+                                     cache))
         for c in chunks:
             cache.set_length(c.seq_id, c.start_pos + len(c.token_ids))
     return outputs
@@ -619,11 +621,30 @@ def test_decoder_stack_equals_native_op_by_op(qtype, variant, num_heads):
     from speculant.models.llama import Model
 
     cfg, w = tiny_model(qtype, variant, num_heads)
-    stack = run_two_steps(Model(cfg, w, path="stack"), TWO_SEQUENCES)
-    ops = run_two_steps(Model(cfg, w, path="ops"), TWO_SEQUENCES)
+    stack = run_two_steps(Model(cfg, w, path="stack"), TWO_SEQUENCES, (0, 1))
+    ops = run_two_steps(Model(cfg, w, path="ops"), TWO_SEQUENCES, (0, 1))
     for a, b in zip(stack, ops):
         assert torch.equal(bits(a.logits), bits(b.logits))
-        assert torch.equal(bits(a.hidden_states[0]), bits(b.hidden_states[0]))
+        for i in (0, 1):
+            assert torch.equal(bits(a.hidden_states[i]), bits(b.hidden_states[i]))
+    assert not torch.equal(stack[1].hidden_states[0], stack[1].hidden_states[1])
+
+
+def test_the_native_stack_refuses_a_hidden_row_outside_the_batch():
+    if not native_available():
+        pytest.skip("native kernels unavailable here")
+    from speculant.engine.forward_batch import build_forward_batch
+    from speculant.models.llama import Model
+
+    cfg, w = tiny_model("Q4_1", "plain", 6)
+    model = Model(cfg, w, path="stack")
+    cache = model.new_kv_cache(num_blocks=8, block_size=8)
+    cache.allocate(0)
+    batch = build_forward_batch(cache, [SeqChunk(0, 0, [1, 2, 3], 1, num_feature_rows=1)],
+                                hidden_layers=(1,))
+    batch.hidden_rows = torch.tensor([3])
+    with pytest.raises(RuntimeError, match="hidden row 3 out of range for 3 tokens"):
+        model.forward(batch, cache)
 
 
 @pytest.mark.parametrize("path", ["stack", "ops", "torch"])
