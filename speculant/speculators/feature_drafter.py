@@ -145,8 +145,14 @@ SILENT_AFTER = PENDING_LIMIT
 # head for it (which wakes it: its window then starts at that step, so that first ask drafts
 # nothing). Where the chain never asks the head (copy-heavy text, where n-gram drafts win) its
 # features were still captured and kept at every step, ~0.5-1% of a summarization run at c=1
-# with the head asked once in 20 prompts. A sequence the head was asked for once never sleeps.
+# with the head asked once in 20 prompts.
 DORMANT_AFTER = 32
+# ... and one asked before but not during its last DORMANT_SILENT committed tokens sleeps too:
+# on rag at c=1 the head was asked 3 times in 20 prompts, and the sequences asked once were
+# followed to their end, features captured and kept at 458 of 1,096 decode steps (~26 us a
+# step of `process` alone). Twice SILENT_AFTER: a sequence the head drafts for sleeps only
+# after a long stretch the n-gram drafts (a copy) held alone.
+DORMANT_SILENT = 2 * SILENT_AFTER
 # Waiting features are views of their steps' tensors (every sequence's rows of a step,
 # `StepFeatures`); past this many a sequence joins its newest views into one tensor of its
 # own, so it keeps at most this many steps' tensors alive, not those of its 256 waiting rows
@@ -449,7 +455,9 @@ class FeatureDrafter(Speculator):
 
     def _falls_dormant(self, state: _SeqState) -> bool:
         committed = state.base + state.cached_len + len(state.tokens)
-        return state.asked_len is None and committed - state.prompt_len > DORMANT_AFTER
+        if state.asked_len is None:
+            return committed - state.prompt_len > DORMANT_AFTER
+        return committed - state.asked_len > DORMANT_SILENT
 
     def _sleep(self, seq_id: int, state: _SeqState) -> None:
         """Drop the sequence's head cache and waiting features: it keeps none while dormant."""
@@ -475,6 +483,7 @@ class FeatureDrafter(Speculator):
         if state is not None and state.dormant:
             state.dormant = False
             state.base = history_len - 1  # the positions the target's KV holds
+            state.asked_len = history_len  # followed from here, as if asked (DORMANT_SILENT)
 
     def _is_silent(self, state: _SeqState) -> bool:
         return state.asked_len is None or \

@@ -607,6 +607,35 @@ def test_a_dormant_sequence_wakes_when_asked(eagle_engine, monkeypatch):
 
 
 @torch.inference_mode()
+def test_a_sequence_not_asked_for_long_after_an_ask_falls_dormant(eagle_engine, monkeypatch):
+    """Asked once, then not for DORMANT_SILENT committed tokens, a sequence sleeps as a
+    never-asked one does (no features captured or kept; a revival priced as a full window),
+    and asked again it wakes."""
+    from speculant.speculators import feature_drafter
+    from speculant.speculators.base import DraftParams, DraftRequest
+
+    monkeypatch.setattr(feature_drafter, "DORMANT_SILENT", 3)
+    probe, prompt, history, commit = fed_probe(eagle_engine, 10**6 + 13,
+                                               " Blue is the colour of a clear sky at noon.")
+    p, seq_id = len(prompt), 10**6 + 13
+    # its draft is never verified: keep it out of what later tests' drafts learn
+    monkeypatch.setattr(probe, "continuation", type(probe.continuation)())
+    probe.begin(seq_id, prompt)
+    try:
+        commit(0, p)
+        assert probe.draft([DraftRequest(seq_id, history[:p + 1], DraftParams(n_max=2))])
+        for i in range(p, p + 5):  # asked at history p + 1; 5 tokens without an ask
+            assert probe.feature_rows(seq_id, 1) == 1
+            commit(i, i + 1)
+        assert probe.feature_rows(seq_id, 1) == 0
+        assert probe.revival_rows(seq_id) == feature_drafter.HEAD_WINDOW
+        assert probe.draft([DraftRequest(seq_id, history[:p + 6], DraftParams(n_max=2))]) == {}
+        assert probe.feature_rows(seq_id, 1) == 1  # awake again
+    finally:
+        probe.end(seq_id)
+
+
+@torch.inference_mode()
 def test_a_rested_sequence_keeps_no_features_and_drafts_again_once_woken(eagle_engine):
     """The chain rests the head for a sequence it follows (drafter_ledger.py): no features are
     captured or kept for it (`feature_rows` 0); woken, its window starts at the step the
