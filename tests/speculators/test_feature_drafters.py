@@ -588,6 +588,7 @@ def test_a_dormant_sequence_wakes_when_asked(eagle_engine, monkeypatch):
     probe, prompt, history, commit = fed_probe(eagle_engine, 10**6 + 11,
                                                " Blue is the colour of a clear sky at noon.")
     p, seq_id = len(prompt), 10**6 + 11
+    monkeypatch.setattr(probe, "continuation", type(probe.continuation)())  # as fresh
     probe.begin(seq_id, prompt)
     try:
         commit(0, p)
@@ -636,7 +637,8 @@ def test_a_sequence_not_asked_for_long_after_an_ask_falls_dormant(eagle_engine, 
 
 
 @torch.inference_mode()
-def test_a_rested_sequence_keeps_no_features_and_drafts_again_once_woken(eagle_engine):
+def test_a_rested_sequence_keeps_no_features_and_drafts_again_once_woken(eagle_engine,
+                                                                         monkeypatch):
     """The chain rests the head for a sequence it follows (drafter_ledger.py): no features are
     captured or kept for it (`feature_rows` 0); woken, its window starts at the step the
     target runs next, and fed that step's features it drafts."""
@@ -645,6 +647,8 @@ def test_a_rested_sequence_keeps_no_features_and_drafts_again_once_woken(eagle_e
     probe, prompt, history, commit = fed_probe(
         eagle_engine, 10**6 + 12, " Blue is the colour of a clear sky at noon, and of the sea.")
     p, seq_id = len(prompt), 10**6 + 12
+    # draft lengths as a fresh drafter's, whatever earlier tests' drafts taught it
+    monkeypatch.setattr(probe, "continuation", type(probe.continuation)())
     probe.begin(seq_id, prompt)
     try:
         commit(0, p)
