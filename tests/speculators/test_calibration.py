@@ -340,6 +340,17 @@ def test_the_chain_starts_from_a_drafters_shipped_prior():
     assert asked["none"] and asked["none"][0].context_tokens > 0  # a first read of a window
 
 
+def spy_on_pricing(monkeypatch) -> list[str]:
+    """The names of the model drafters the chain prices asking (`_budget_model_drafts`), as
+    it does so."""
+    budgeted = []
+    budget = SpeculatorChain._budget_model_drafts
+    monkeypatch.setattr(SpeculatorChain, "_budget_model_drafts",
+                        lambda self, name, reqs, *a: budgeted.append(name) or budget(
+                            self, name, reqs, *a))
+    return budgeted
+
+
 def test_a_priced_drafter_a_model_free_draft_outbids_is_not_even_priced(monkeypatch):
     """Where the best model-free draft's net gain beats anything a calibrated drafter's first
     token could gain, the chain neither asks the drafter nor prices asking it; where the
@@ -347,11 +358,7 @@ def test_a_priced_drafter_a_model_free_draft_outbids_is_not_even_priced(monkeypa
     from test_chain import Fixed  # this folder is on sys.path (rootdir conftest)
 
     text = list(range(2000, 4000))
-    budgeted = []
-    budget = SpeculatorChain._budget_model_drafts
-    monkeypatch.setattr(SpeculatorChain, "_budget_model_drafts",
-                        lambda self, name, reqs, *a: budgeted.append(name) or budget(
-                            self, name, reqs, *a))
+    budgeted = spy_on_pricing(monkeypatch)
     for expected, asked in ((4.0, False), (0.2, True)):
         model = ConfidentModel("model", text, lambda pos: (0.95, True))
         model.calibration_prior = _prior(0.95)
@@ -370,11 +377,7 @@ def test_a_drafter_asked_again_only_at_a_revival_cost_a_rival_covers_is_not_pric
     from test_chain import Fixed
 
     text = list(range(2000, 4000))
-    budgeted = []
-    budget = SpeculatorChain._budget_model_drafts
-    monkeypatch.setattr(SpeculatorChain, "_budget_model_drafts",
-                        lambda self, name, reqs, *a: budgeted.append(name) or budget(
-                            self, name, reqs, *a))
+    budgeted = spy_on_pricing(monkeypatch)
     for revival_rows, priced in ((0, True), (128, False)):
         model = ConfidentModel("model", text, lambda pos: (0.95, True))
         model.calibration_prior = _prior(0.95)
