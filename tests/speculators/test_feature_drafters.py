@@ -494,6 +494,22 @@ def test_a_prompt_in_chunks_needs_the_features_of_its_newest_window_only(eagle_e
         probe.end(chunked)
 
 
+def spy_on_captures(engine, monkeypatch) -> list[tuple[tuple[int, ...], int]]:
+    """Per target forward of `engine`, as it runs: (the layers it captured, the rows it
+    captured of each)."""
+    steps = []
+    forward = engine.model.forward
+
+    def spy(batch, cache):
+        out = forward(batch, cache)
+        rows = [h.shape[0] for h in out.hidden_states.values()]
+        steps.append((tuple(batch.hidden_layers), rows[0] if rows else 0))
+        return out
+
+    monkeypatch.setattr(engine.model, "forward", spy)
+    return steps
+
+
 def test_a_sequence_the_head_is_never_asked_for_falls_dormant(eagle_engine, monkeypatch):
     """A sequence the chain never asks the head for is dormant after DORMANT_AFTER generated
     tokens: the target's steps capture no layer for it from then on, and the output still
@@ -504,14 +520,7 @@ def test_a_sequence_the_head_is_never_asked_for_falls_dormant(eagle_engine, monk
     prompts = chats(eagle_engine, PROMPTS[:1])
     plain = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
                                                              spec=SpecParams(enabled=False)))
-    captured = []
-    forward = eagle_engine.model.forward
-
-    def spy(batch, cache):
-        captured.append(tuple(batch.hidden_layers))
-        return forward(batch, cache)
-
-    monkeypatch.setattr(eagle_engine.model, "forward", spy)
+    steps = spy_on_captures(eagle_engine, monkeypatch)
     monkeypatch.setattr(eagle_engine.chain, "_budget_model_drafts", lambda *a, **k: [])
     spec = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=16, temperature=0.0,
                                                             spec=SpecParams(n_max=3)))
@@ -519,7 +528,7 @@ def test_a_sequence_the_head_is_never_asked_for_falls_dormant(eagle_engine, monk
     layers = eagle_engine.speculator(eagle_engine.speculator_names[0]).hidden_layers
     # the prompt and 5 generated tokens (one step each: nothing drafts) with the head's
     # layers, then none for the 11 steps left
-    assert captured == [tuple(sorted(layers))] * 6 + [()] * 10
+    assert [captured for captured, _ in steps] == [tuple(sorted(layers))] * 6 + [()] * 10
     assert eagle_engine.stats.num_speculator_errors == 0
 
 
@@ -536,22 +545,14 @@ def test_a_prompt_in_chunks_captures_its_newest_window_only(eagle_engine, monkey
     prompts = chats(eagle_engine, PROMPTS[:1])
     plain = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=12, temperature=0.0,
                                                              spec=SpecParams(enabled=False)))
-    rows = []
-    forward = eagle_engine.model.forward
-
-    def spy(batch, cache):
-        out = forward(batch, cache)
-        rows.append(sum(h.shape[0] for h in out.hidden_states.values())
-                    // max(1, len(out.hidden_states)))
-        return out
-
-    monkeypatch.setattr(eagle_engine.model, "forward", spy)
+    steps = spy_on_captures(eagle_engine, monkeypatch)
     spec = decode_all(eagle_engine, prompts, SamplingParams(max_tokens=12, temperature=0.0,
                                                             spec=SpecParams(n_max=3)))
     assert spec[0].output_ids == plain[0].output_ids
     num_prompt = len(eagle_engine.tokenizer.encode(prompts[0]))
     num_chunks = -(-num_prompt // 8)
     last = num_prompt - 8 * (num_chunks - 1)  # the last chunk's length
+    rows = [num_rows for _, num_rows in steps]
     assert rows[:num_chunks - 2] == [0] * (num_chunks - 2)
     assert rows[num_chunks - 2:num_chunks] == [max(0, 6 - last), min(6, last)]
     assert eagle_engine.stats.num_speculator_errors == 0
