@@ -54,10 +54,16 @@ AVX512_CFLAGS = ("-O3", "-std=c++17", "-fPIC", "-mavx2", "-mfma", "-mf16c", "-ff
 FALLBACK_PATH = "torch"
 
 
-@torch.compiler.assume_constant_result  # torch.compile evaluates it once instead of tracing it
 def native_available() -> bool:
     """True if the native kernels are loaded (building them now if needed) and usable here."""
     return load_ops() is not None
+
+
+# torch.compile evaluates it once instead of tracing it. This is all that
+# `torch.compiler.assume_constant_result` does, but calling it imports torch._dynamo, 1.1 s of
+# every process start (a third of `speculant generate`'s start-up before the model loads) for
+# a compiler the engine never runs; tests/kernels: test_native_ops_compile_fullgraph.
+native_available._dynamo_marked_constant = True
 
 
 @functools.cache
