@@ -152,6 +152,16 @@ def thread_team() -> str | None:
     return str(ops.thread_team()) if ops is not None else None
 
 
+def warm_in_background(tensors: list[torch.Tensor]) -> bool:
+    """Starts the kernels' pool workers reading `tensors` (contiguous, on the CPU) into the
+    caches while the calling thread goes on (csrc/pool.h: pool_warm); the next native kernel
+    call ends what is left of it. False, nothing started, without the native kernels or their
+    pool, or with one thread. For weights a burst of kernel calls is about to read after the
+    target's forward has flushed them: a drafter head's first calls of a round."""
+    ops = load_ops()
+    return bool(ops.pool_warm(tensors)) if ops is not None and tensors else False
+
+
 def tile_kv_cache() -> bool:
     """Whether attention runs natively over a bfloat16 KV cache in the AMX tiles' layout
     (kernels/kv_layout.py): a CPU with AVX512_BF16 (and AVX-512 VNNI), and the native kernels;

@@ -697,6 +697,30 @@ def test_greedy_output_equals_plain_through_rests_and_wakes(eagle_engine, monkey
     assert eagle_engine.stats.num_speculator_errors == 0
 
 
+def test_a_drafting_round_first_warms_the_heads_own_weights(eagle_engine, monkeypatch):
+    """Each drafting round has the kernels' pool read the head's packed weights back into the
+    caches first (the target's forward flushed them): the tensors its native layer reads, the
+    LM head among them, never the target's token table or LM head (the target reads those
+    itself). Outputs stay equal to plain decoding."""
+    import speculant.speculators.feature_drafter as feature_drafter
+
+    probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
+    if probe.packed_layer is None:
+        pytest.skip("no packed layer for this head kind (or no native kernels)")
+    warmed = set(t.data_ptr() for t in probe.warm_weights)
+    assert probe.packed_layer.lm_head.data.data_ptr() in warmed
+    assert probe.packed_layer.qkv.data.data_ptr() in warmed
+    target = [getattr(m, f) for m in (probe.target.embed_table, probe.target.lm_head)
+              for f in ("data", "scales", "mins") if isinstance(getattr(m, f, None), torch.Tensor)]
+    assert target and not warmed & {t.data_ptr() for t in target}
+    calls = []
+    monkeypatch.setattr(feature_drafter, "warm_in_background", lambda ts: calls.append(ts))
+    rounds = probe.num_draft_forwards
+    assert_greedy_spec_equals_plain(eagle_engine, PROMPTS[:2], 24, 4)
+    assert probe.num_draft_forwards > rounds and calls
+    assert all(ts is probe.warm_weights for ts in calls)
+
+
 def packed_layer_probe(engine, num_rows: int, seed: int):
     """The engine's feature drafter (skips when its head has no packed layer), random hidden
     rows [num_rows, d] and as many random token ids."""

@@ -43,6 +43,7 @@ TORCH_LIBRARY(speculant, m) {
   m.def("kv_attention() -> str", &speculant::kv_attention);
   m.def("set_kv_attention(str mode) -> str", &speculant::set_kv_attention);
   m.def("thread_team() -> str", &speculant::thread_team);
+  m.def("pool_warm(Tensor[] tensors) -> bool");
   m.def("set_prompt_attention(str mode) -> str", &speculant::set_prompt_attention);
   m.def("set_weight_prefetch_blocks(int blocks) -> int", &speculant::set_weight_prefetch_blocks);
   m.def("set_vnni_wide_rows(int rows) -> int", &speculant::set_vnni_wide_rows);
@@ -75,4 +76,5 @@ TORCH_LIBRARY_IMPL(speculant, CPU, m) {
   m.impl("decoder_stack_register", &speculant::decoder_stack_register);
   m.impl("decoder_stack", &speculant::decoder_stack);
   m.impl("eagle3_layer", &speculant::eagle3_layer);
+  m.impl("pool_warm", &speculant::pool_warm);
 }

@@ -9,11 +9,15 @@
 // CAS, so it never runs a chunk with a mixed-up descriptor.
 #include "pool.h"
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <pthread.h>
 #include <strings.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -21,6 +25,7 @@
 #include <mutex>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace speculant {
@@ -47,6 +52,13 @@ struct Pool {
   std::mutex error_mutex;
   std::exception_ptr error;
   int num_started = 0;  // worker threads created (guarded by `caller`)
+  // A background job (`pool_warm`): its generation while it may still run (0: none), and the
+  // memory it reads, as [begin, end) byte ranges with their running offsets (guarded by
+  // `caller`; workers read them while the job runs, and it is closed before they change).
+  uint32_t background = 0;
+  std::vector<std::pair<const char*, int64_t>> warm_regions;
+  std::vector<int64_t> warm_offsets;  // warm_offsets[i]: bytes of the regions before region i
+  std::vector<at::Tensor> warm_tensors;  // the regions' owners, held while the job may run
 };
 
 // Claims and runs chunks of job `gen` until none is left.
@@ -113,6 +125,46 @@ void start_workers(Pool& p, int wanted) {
   }
 }
 
+// Ends the background job, if one is open (the caller holds `caller`): chunks not yet claimed
+// are dropped, and chunks under way (a few microseconds each) are waited for, so that the next
+// job's descriptor is written after no worker reads this one's.
+void close_background(Pool& p) {
+  if (p.background == 0) return;
+  const uint64_t c = p.claim.exchange((uint64_t{p.background} << 32) | kClosed,
+                                      std::memory_order_acq_rel);
+  const int64_t claimed = (c >> 32) == p.background
+                              ? std::min<int64_t>(static_cast<int64_t>(c & kClosed),
+                                                  p.num_chunks.load(std::memory_order_relaxed))
+                              : 0;
+  for (int i = 0; p.done.load(std::memory_order_acquire) < claimed; ++i) {
+    if (i >= 2000) std::this_thread::yield();
+    _mm_pause();
+  }
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  p.background = 0;
+  p.warm_tensors.clear();  // no worker reads them any more
+}
+
+constexpr int64_t kWarmChunkBytes = 64 * 1024;
+
+// Reads one byte of every cache line of bytes [begin, end) of the warm regions (taken one
+// after the other), so that they are in this core's caches and, evicted from there, in the
+// shared last-level cache.
+void warm_chunk(const void* ctx, int64_t begin, int64_t end) {
+  const Pool& p = *static_cast<const Pool*>(ctx);
+  const auto& offsets = p.warm_offsets;
+  size_t r = std::upper_bound(offsets.begin(), offsets.end(), begin) - offsets.begin() - 1;
+  unsigned sink = 0;
+  for (int64_t at = begin; at < end && r < p.warm_regions.size(); ++r) {
+    const auto& [base, size] = p.warm_regions[r];
+    const int64_t lo = at - offsets[r], hi = std::min<int64_t>(size, end - offsets[r]);
+    for (int64_t i = lo; i < hi; i += 64) sink += static_cast<unsigned char>(base[i]);
+    at = offsets[r] + hi;
+  }
+  static std::atomic<unsigned> keep{0};  // the loads must happen: their sum goes somewhere
+  keep.fetch_add(sink, std::memory_order_relaxed);
+}
+
 // The pool, or torch's OpenMP threads (see pool.h): decided once, from the environment.
 bool use_pool() {
   static const bool use = [] {
@@ -128,6 +180,50 @@ bool use_pool() {
 int pool_threads() { return std::max(1, at::get_num_threads()); }
 
 std::string thread_team() { return use_pool() ? "pool" : "openmp"; }
+
+bool pool_warm(at::TensorList tensors) {
+  for (const at::Tensor& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(),
+                "speculant::pool_warm: tensors must be contiguous CPU tensors");
+  }
+  const int threads = pool_threads();
+  if (!use_pool() || threads == 1 || in_chunk || tensors.empty()) return false;
+  Pool& p = *pool();
+  std::unique_lock<std::mutex> lock(p.caller, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  close_background(p);
+  start_workers(p, threads - 1);
+  p.warm_tensors.assign(tensors.begin(), tensors.end());
+  p.warm_regions.clear();
+  p.warm_offsets.assign(1, 0);
+  for (const at::Tensor& t : p.warm_tensors) {
+    if (t.nbytes() == 0) continue;
+    p.warm_regions.emplace_back(static_cast<const char*>(t.data_ptr()), t.nbytes());
+    p.warm_offsets.push_back(p.warm_offsets.back() + static_cast<int64_t>(t.nbytes()));
+  }
+  const int64_t n = p.warm_offsets.back();
+  p.warm_offsets.pop_back();
+  const int64_t num_chunks = (n + kWarmChunkBytes - 1) / kWarmChunkBytes;
+  if (num_chunks == 0 || num_chunks >= int64_t{kClosed}) {
+    p.warm_tensors.clear();
+    return false;
+  }
+  // published as run_chunks publishes a job, but the caller neither takes part nor waits: the
+  // workers read while the caller goes on, and the next job closes this one (close_background)
+  const uint32_t gen = p.generation.load(std::memory_order_relaxed) + 1;
+  p.fn.store(&warm_chunk, std::memory_order_relaxed);
+  p.ctx.store(&p, std::memory_order_relaxed);
+  p.n.store(n, std::memory_order_relaxed);
+  p.chunk.store(kWarmChunkBytes, std::memory_order_relaxed);
+  p.num_chunks.store(num_chunks, std::memory_order_relaxed);
+  p.num_workers.store(threads - 1, std::memory_order_relaxed);
+  p.done.store(0, std::memory_order_relaxed);
+  p.claim.store(uint64_t{gen} << 32, std::memory_order_release);
+  p.generation.store(gen, std::memory_order_seq_cst);
+  if (p.sleepers.load(std::memory_order_seq_cst) > 0) p.generation.notify_all();
+  p.background = gen;
+  return true;
+}
 
 void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   const int64_t num_chunks = (n + chunk - 1) / chunk;
@@ -158,6 +254,7 @@ void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
     fn(ctx, 0, n);
     return;
   }
+  close_background(p);
   start_workers(p, threads - 1);
   // 1) publish: descriptor, then the open claim word, then the generation the workers watch
   const uint32_t gen = p.generation.load(std::memory_order_relaxed) + 1;

@@ -21,9 +21,13 @@
 // with the same instructions whoever computes it, so dynamic claiming keeps batch invariance.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace speculant {
 
@@ -42,6 +46,14 @@ int pool_threads();
 // Who runs run_chunks' chunks in this process: "pool" (this file's work-sharing pool) or
 // "openmp" (torch's OpenMP threads), decided once from the environment (see above).
 std::string thread_team();
+
+// Starts the pool's workers reading one byte of every cache line of `tensors` (contiguous, on
+// the CPU; held until the job ends), in the background: returns at once, and the next parallel
+// job (or warm) first ends what is left of it. So memory that a burst of kernel calls is about
+// to read (a drafter head's weights, out of cache after the target's forward) comes into the
+// caches while the calling thread runs other code. False (nothing started) without the pool,
+// with one thread, inside a chunk, or while another thread uses the pool.
+bool pool_warm(at::TensorList tensors);
 
 template <typename F>
 void parallel_for(int64_t n, int64_t chunk, const F& f) {
