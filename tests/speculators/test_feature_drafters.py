@@ -697,12 +697,14 @@ def test_greedy_output_equals_plain_through_rests_and_wakes(eagle_engine, monkey
     assert eagle_engine.stats.num_speculator_errors == 0
 
 
+@torch.inference_mode()
 def test_a_drafting_round_first_warms_the_heads_own_weights(eagle_engine, monkeypatch):
     """Each drafting round has the kernels' pool read the head's packed weights back into the
     caches first (the target's forward flushed them): the tensors its native layer reads, the
     LM head among them, never the target's token table or LM head (the target reads those
-    itself). Outputs stay equal to plain decoding."""
-    import speculant.speculators.feature_drafter as feature_drafter
+    itself)."""
+    from speculant.speculators import feature_drafter
+    from speculant.speculators.base import DraftParams, DraftRequest
 
     probe = eagle_engine.speculator(eagle_engine.speculator_names[0])
     if probe.packed_layer is None:
@@ -715,10 +717,18 @@ def test_a_drafting_round_first_warms_the_heads_own_weights(eagle_engine, monkey
     assert target and not warmed & {t.data_ptr() for t in target}
     calls = []
     monkeypatch.setattr(feature_drafter, "warm_in_background", lambda ts: calls.append(ts))
-    rounds = probe.num_draft_forwards
-    assert_greedy_spec_equals_plain(eagle_engine, PROMPTS[:2], 24, 4)
-    assert probe.num_draft_forwards > rounds and calls
-    assert all(ts is probe.warm_weights for ts in calls)
+    seq_id = 10**6 + 17
+    probe, prompt, history, commit = fed_probe(eagle_engine, seq_id, " Green is a colour.")
+    monkeypatch.setattr(probe, "continuation", type(probe.continuation)())  # as fresh
+    probe.begin(seq_id, prompt)
+    try:
+        commit(0, len(prompt))
+        drafts = probe.draft([DraftRequest(seq_id, history[:len(prompt) + 1],
+                                           DraftParams(n_max=2))])
+        assert len(drafts[seq_id].token_ids) == 2
+    finally:
+        probe.end(seq_id)
+    assert len(calls) == 1 and calls[0] is probe.warm_weights
 
 
 def packed_layer_probe(engine, num_rows: int, seed: int):
