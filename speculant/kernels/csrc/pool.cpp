@@ -145,6 +145,24 @@ void close_background(Pool& p) {
   p.warm_tensors.clear();  // no worker reads them any more
 }
 
+// Publishes a job (the caller holds `caller`, and the job before is closed): its descriptor,
+// then the open claim word, then the generation the workers watch; returns that generation.
+uint32_t publish(Pool& p, ChunkFn fn, const void* ctx, int64_t n, int64_t chunk,
+                 int64_t num_chunks, int num_workers) {
+  const uint32_t gen = p.generation.load(std::memory_order_relaxed) + 1;
+  p.fn.store(fn, std::memory_order_relaxed);
+  p.ctx.store(ctx, std::memory_order_relaxed);
+  p.n.store(n, std::memory_order_relaxed);
+  p.chunk.store(chunk, std::memory_order_relaxed);
+  p.num_chunks.store(num_chunks, std::memory_order_relaxed);
+  p.num_workers.store(num_workers, std::memory_order_relaxed);
+  p.done.store(0, std::memory_order_relaxed);
+  p.claim.store(uint64_t{gen} << 32, std::memory_order_release);
+  p.generation.store(gen, std::memory_order_seq_cst);
+  if (p.sleepers.load(std::memory_order_seq_cst) > 0) p.generation.notify_all();
+  return gen;
+}
+
 constexpr int64_t kWarmChunkBytes = 64 * 1024;
 
 // Reads one byte of every cache line of bytes [begin, end) of the warm regions (taken one
@@ -210,18 +228,7 @@ bool pool_warm(at::TensorList tensors) {
   }
   // published as run_chunks publishes a job, but the caller neither takes part nor waits: the
   // workers read while the caller goes on, and the next job closes this one (close_background)
-  const uint32_t gen = p.generation.load(std::memory_order_relaxed) + 1;
-  p.fn.store(&warm_chunk, std::memory_order_relaxed);
-  p.ctx.store(&p, std::memory_order_relaxed);
-  p.n.store(n, std::memory_order_relaxed);
-  p.chunk.store(kWarmChunkBytes, std::memory_order_relaxed);
-  p.num_chunks.store(num_chunks, std::memory_order_relaxed);
-  p.num_workers.store(threads - 1, std::memory_order_relaxed);
-  p.done.store(0, std::memory_order_relaxed);
-  p.claim.store(uint64_t{gen} << 32, std::memory_order_release);
-  p.generation.store(gen, std::memory_order_seq_cst);
-  if (p.sleepers.load(std::memory_order_seq_cst) > 0) p.generation.notify_all();
-  p.background = gen;
+  p.background = publish(p, &warm_chunk, &p, n, kWarmChunkBytes, num_chunks, threads - 1);
   return true;
 }
 
@@ -256,18 +263,8 @@ void run_chunks(int64_t n, int64_t chunk, ChunkFn fn, const void* ctx) {
   }
   close_background(p);
   start_workers(p, threads - 1);
-  // 1) publish: descriptor, then the open claim word, then the generation the workers watch
-  const uint32_t gen = p.generation.load(std::memory_order_relaxed) + 1;
-  p.fn.store(fn, std::memory_order_relaxed);
-  p.ctx.store(ctx, std::memory_order_relaxed);
-  p.n.store(n, std::memory_order_relaxed);
-  p.chunk.store(chunk, std::memory_order_relaxed);
-  p.num_chunks.store(num_chunks, std::memory_order_relaxed);
-  p.num_workers.store(threads - 1, std::memory_order_relaxed);
-  p.done.store(0, std::memory_order_relaxed);
-  p.claim.store(uint64_t{gen} << 32, std::memory_order_release);
-  p.generation.store(gen, std::memory_order_seq_cst);
-  if (p.sleepers.load(std::memory_order_seq_cst) > 0) p.generation.notify_all();
+  // 1) publish
+  const uint32_t gen = publish(p, fn, ctx, n, chunk, num_chunks, threads - 1);
   // 2) take part, then wait only for chunks that workers have claimed
   work(p, gen);
   for (int i = 0; p.done.load(std::memory_order_acquire) < num_chunks; ++i) {
