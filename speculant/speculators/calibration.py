@@ -177,12 +177,6 @@ class ProbCalibration:
                 for b in range(NUM_BINS) if self.first[b]]
         return self._first_rates
 
-    def top_first_rate(self) -> float | None:
-        """The highest expected acceptance of a bin with first tokens (None before MIN_FIRST
-        first tokens): no first token is worth more than this."""
-        first = self.first_rates()
-        return None if first is None else max(rate for _, rate in first)
-
 
 def value_of_first(first_rates: list[tuple[float, float]], threshold: float,
                    scale: float = 1.0) -> float:

@@ -608,18 +608,33 @@ class SpeculatorChain:
 
     def _outbid(self, name: str, seq_id: int, rival: float, cost_per_token: float,
                 seconds_per_token: float) -> bool:
-        """Whether the best model-free draft's net gain `rival` already beats what any first
-        token of drafter `name` could gain, less what asking would re-read (`_revival_cost`):
-        asking is then not even priced. (The shortcut of `_budget_model_drafts`, exact: a
-        sequence whose value of asking is <= 0 is never asked, nor given a shadow draft while
-        a rival drafts. Priced at every step, the head cost ~30 us a step on summarization
-        at c=1, where the n-gram drafts win.)"""
+        """Whether the best model-free draft's net gain `rival` leaves asking drafter `name`
+        for `seq_id` worth less than the least a sequence's share of a call costs
+        (`_ask_floor`): `_budget_model_drafts` would not ask it then, and not being asked with
+        a rival drafting, it gets no shadow draft either, so it is not even priced (exact: the
+        same drafts). Priced at every step, the head cost ~30 us a step on summarization at
+        c=1, where the n-gram drafts win; outbid only where even its best first token lost,
+        it was still priced at 70% of the steps there (a dormant sequence's revival and its
+        share of a call then cost more than the draft's expected gain)."""
         cal = self._calibration.get(name)
-        top = None if cal is None or rival <= 0 else cal.top_first_rate()
-        if top is None:
+        first = None if cal is None or rival <= 0 else cal.first_rates()
+        if first is None:
             return False
-        best = min(1.0, self._seqs[seq_id].calib[name].scale * top) - cost_per_token - rival
-        return best <= 0 or best <= self._revival_cost(name, seq_id, seconds_per_token)
+        value = value_of_first(first, cost_per_token + rival, self._seqs[seq_id].calib[name].scale)
+        return value - self._revival_cost(name, seq_id, seconds_per_token) <= \
+            self._ask_floor(name, seconds_per_token)
+
+    def _ask_floor(self, name: str, seconds_per_token: float) -> float:
+        """The value (tokens' worth) a sequence's ask of `name` must beat to be in any set
+        `_worth_asking` picks: the per-sequence part of a call's cost once that is known (a
+        set's total gain grows by a sequence's value less that part), else the price of a
+        drafted position."""
+        call = self._call_cost[name]
+        if seconds_per_token <= 0:
+            return 0.0
+        if call.known:
+            return call.per_seq_s / seconds_per_token
+        return self._draft_seconds[name] / seconds_per_token
 
     def _revival_cost(self, name: str, seq_id: int, seconds_per_token: float) -> float:
         """Tokens' worth of the rows asking `name` for `seq_id` would compute only because it

@@ -370,6 +370,92 @@ def test_a_priced_drafter_a_model_free_draft_outbids_is_not_even_priced(monkeypa
         assert bool(model.asked) == asked and bool(budgeted) == asked
 
 
+def test_skipping_the_pricing_of_an_outbid_drafter_never_changes_a_draft():
+    """`_outbid` skips pricing a model drafter for a sequence whose rival leaves asking it worth
+    less than its share of a call: the same rounds with the shortcut and without it (every
+    sequence priced) give the same winners, the same asks with the same parameters and the same
+    records, over rounds of three sequences whose rival drafts, revivals and call costs
+    (unknown at first, then fitted from the calls' times) vary. The shortcut must also fire."""
+    import dataclasses
+
+    from speculant.speculators.base import CommittedTokens
+    from test_chain import Fixed
+
+    class Rival(Fixed):
+        """Proposes the text's next tokens, right or wrong, at a claimed gain that varies."""
+
+        def __init__(self, text):
+            super().__init__("copy", [])
+            self.text = text
+
+        def draft(self, requests):
+            out = {}
+            for r in requests:
+                pos = len(r.token_ids)
+                if pos % 7 == 3:
+                    continue  # nothing to offer
+                tokens = self.text[pos:pos + 3] if pos % 3 else [99999] * 3
+                out[r.seq_id] = Draft(tokens, expected_accepted=(0.05, 0.2, 0.5, 1.5)[pos % 4])
+            return out
+
+    def run(shortcut: bool):
+        text = list(range(3000, 6000))
+        now = [0.0]
+        model = ConfidentModel("model", text, lambda pos: (0.95, pos % 5 != 0) if pos % 2
+                               else (0.35, pos % 3 == 0))
+        model.calibration_prior = _prior(0.9)
+        model.revival_rows = lambda seq_id: 0 if seq_id == 0 else 64 * (seq_id % 2)
+        drafted = model.draft
+
+        def timed_draft(requests):  # a call costs 0.4 ms plus 0.2 ms a sequence
+            now[0] += 0.0004 + 0.0002 * len(requests)
+            return drafted(requests)
+
+        model.draft = timed_draft
+        chain = SpeculatorChain([model, Rival(text)], probe_interval=8, clock=lambda: now[0])
+        if not shortcut:
+            chain._outbid = lambda *a, **k: False
+        chain._call_cost["model"].row_s = 0.0005
+        starts = {0: 10, 1: 1000, 2: 2000}
+        pos = dict(starts)
+        for s, p in pos.items():
+            chain.begin(s, text[:p], ("model", "copy"))
+        trace = []
+        for _ in range(120):
+            now[0] += 0.005
+            reqs = [DraftRequest(s, text[:p], DraftParams(n_max=4)) for s, p in pos.items()]
+            winners = chain.draft(reqs, 0.2, 0.004)
+            committed = []
+            for s, p in pos.items():
+                w = winners.get(s)
+                num_acc = 0
+                if w is not None:
+                    while num_acc < len(w) and w.token_ids[num_acc] == text[p + num_acc]:
+                        num_acc += 1
+                    chain.accept(s, num_acc)
+                trace.append((s, None if w is None else (w.source, tuple(w.token_ids)), num_acc))
+                committed.append(CommittedTokens(s, p - 1, text[p - 1:p + num_acc],
+                                                 text[p + num_acc]))
+                pos[s] = p + num_acc + 1
+            chain.process(committed)
+        stats = chain.stats["model"]
+        counts = {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
+                  if not f.name.startswith("time_")}
+        return trace, [repr(a) for a in model.asked], counts
+
+    calls = []
+    outbid = SpeculatorChain._outbid
+    SpeculatorChain._outbid = lambda self, *a, **k: calls.append(outbid(self, *a, **k)) or calls[-1]
+    try:
+        fast = run(shortcut=True)
+    finally:
+        SpeculatorChain._outbid = outbid
+    slow = run(shortcut=False)
+    assert fast == slow
+    assert sum(calls) > 20 and not all(calls)  # it skipped pricing often, not always
+    assert fast[2]["num_drafts"] > 5  # and the drafter still drafted
+
+
 def test_a_drafter_asked_again_only_at_a_revival_cost_a_rival_covers_is_not_priced(monkeypatch):
     """A sequence the drafter stopped following costs a revival to ask; where the model-free
     draft's gain plus that revival beats the drafter's best first token, the chain skips
