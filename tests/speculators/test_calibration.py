@@ -370,7 +370,7 @@ def test_a_priced_drafter_a_model_free_draft_outbids_is_not_even_priced(monkeypa
         assert bool(model.asked) == asked and bool(budgeted) == asked
 
 
-def test_skipping_the_pricing_of_an_outbid_drafter_never_changes_a_draft():
+def test_skipping_the_pricing_of_an_outbid_drafter_never_changes_a_draft(monkeypatch):
     """`_outbid` skips pricing a model drafter for a sequence whose rival leaves asking it worth
     less than its share of a call: the same rounds with the shortcut and without it (every
     sequence priced) give the same winners, the same asks with the same parameters and the same
@@ -445,11 +445,10 @@ def test_skipping_the_pricing_of_an_outbid_drafter_never_changes_a_draft():
 
     calls = []
     outbid = SpeculatorChain._outbid
-    SpeculatorChain._outbid = lambda self, *a, **k: calls.append(outbid(self, *a, **k)) or calls[-1]
-    try:
+    with monkeypatch.context() as m:  # count the shortcut's verdicts
+        m.setattr(SpeculatorChain, "_outbid",
+                  lambda self, *a, **k: calls.append(outbid(self, *a, **k)) or calls[-1])
         fast = run(shortcut=True)
-    finally:
-        SpeculatorChain._outbid = outbid
     slow = run(shortcut=False)
     assert fast == slow
     assert sum(calls) > 20 and not all(calls)  # it skipped pricing often, not always
