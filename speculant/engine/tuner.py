@@ -310,6 +310,9 @@ class BucketState:
     recent_gain: float = 0.0
     num_recent_steps: int = 0
     start_step: int = 0  # `steps` when this bucket's measuring began (a restart: see `choose`)
+    # steps from start_step that use the engine's own limit and compare nothing: a fresh
+    # bucket's `TunerConfig.warmup_steps`, a restarted one's `restart_warmup_steps`
+    warmup_steps: int = 0
     # under a plain incumbent, no probe of drafting before this step (`CATCH_UP_SHARE`)
     catch_up_until: int = 0
     step_s: float = 0.0  # the incumbent's seconds per step, its last ~8 steps
@@ -387,6 +390,7 @@ class TunerConfig:
 
     grid: tuple[int, ...] = DEFAULT_GRID
     warmup_steps: int = 32
+    restart_warmup_steps: int = 12
     min_pulls: int = 4
     explore_every: int = 8
     max_explore_every: int = 1024
@@ -400,8 +404,9 @@ class TunerConfig:
         self.grid = tuple(sorted(set(int(n) for n in self.grid)))
         if not self.grid or self.grid[0] < 0:
             raise ValueError(f"tuner grid must be draft limits >= 0, got {self.grid}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"tuner: warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps < 0 or self.restart_warmup_steps < 0:
+            raise ValueError(f"tuner: warmup_steps and restart_warmup_steps must be >= 0, got "
+                             f"{self.warmup_steps}, {self.restart_warmup_steps}")
         if self.min_pulls < 1 or not 2 <= self.explore_every <= self.max_explore_every:
             raise ValueError("tuner: min_pulls must be >= 1 and 2 <= explore_every <= "
                              "max_explore_every")
@@ -444,7 +449,7 @@ class SpecTuner:
             unmeasured = [i for i, a in enumerate(arms)
                           if i != state.incumbent and a.pulls < self.config.min_pulls]
             state.measuring = bool(unmeasured) and arms[state.incumbent].n_max != 0
-        if state.measuring and state.steps - state.start_step < self.config.warmup_steps:
+        if state.measuring and state.steps - state.start_step < state.warmup_steps:
             index = state.incumbent  # the chain learns first (TunerConfig.warmup_steps)
         elif state.measuring:
             # every other step the incumbent, so that each probe meets a fresh reference; plain
@@ -475,11 +480,18 @@ class SpecTuner:
         4-layer draft on qa at c=1, verified almost never: 0.95x plain in the bench, 0.986x in
         the tuner's eyes when that was left out, and never switched off). The steps that read a
         new request's prompt fall in the warm-up of a fresh or restarted bucket
-        (`TunerConfig.warmup_steps`); after them, with drafting the incumbent, they fade from
+        (`TunerConfig.warmup_steps`, `restart_warmup_steps`), which is not charged for it
+        either; after a warm-up, with drafting the incumbent, a later request's read fades from
         its recent goodput within ~8 steps, and plain needs two decisive probes."""
         state = self._bucket(num_decoding)
         arm, incumbent = state.arms[state.current], state.arms[state.incumbent]
         scored: list[tuple[ArmStats, int]] = []
+        warming = state.measuring and state.steps - state.start_step < state.warmup_steps
+        if warming:
+            # a new request's prompt, read once by the drafters at its first step, is not what
+            # the arm costs a step: a restart's 12-step warm-up still carried a fifth of it
+            # into the reference its first probes met
+            seconds = max(seconds - catch_up_seconds, 0.1 * seconds)
         if arm is not incumbent:
             state.version += 1  # its pulls count in `_challenge`
             self._wait_after_catch_up(state, catch_up_seconds)
@@ -504,7 +516,7 @@ class SpecTuner:
         if arm.n_max > 0:
             state.num_drafting_steps += 1
             gain = tokens / num_decoding - 1.0
-            if state.measuring and state.steps - state.start_step < self.config.warmup_steps:
+            if warming:
                 state.warmup_gain += gain
                 state.num_warmup_steps += 1
             weight = max(1.0 / state.num_drafting_steps, GAIN_SMOOTHING)
@@ -636,7 +648,8 @@ class SpecTuner:
         skipped its warm-up, probed plain at its 9th step and switched the chain off at its
         45th, before the chain had learned the text (mt_bench, one run in three)."""
         state = BucketState([ArmStats(n) for n in self.grid], incumbent=len(self.grid) - 1,
-                            explore_interval=self.config.explore_every)
+                            explore_interval=self.config.explore_every,
+                            warmup_steps=self.config.warmup_steps)
         stepped = [b for b, s in self._buckets.items() if s.steps > 0]
         if stepped:
             nearest = self._buckets[min(stepped, key=lambda b: abs(math.log2(b / bound)))]
@@ -676,7 +689,8 @@ class SpecTuner:
             old.num_backoffs += 1  # waited long enough: this request restarts
         state = BucketState([ArmStats(n) for n in self.grid], incumbent=len(self.grid) - 1,
                             explore_interval=self.config.explore_every, steps=old.steps,
-                            start_step=old.steps, num_switches_off=old.num_switches_off,
+                            start_step=old.steps, warmup_steps=self.config.restart_warmup_steps,
+                            num_switches_off=old.num_switches_off,
                             drafting_gain=old.drafting_gain, failed_warmups=old.failed_warmups,
                             num_drafting_steps=old.num_drafting_steps,
                             num_backoffs=old.num_backoffs)

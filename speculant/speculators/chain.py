@@ -620,9 +620,14 @@ class SpeculatorChain:
         first = None if cal is None or rival <= 0 else cal.first_rates()
         if first is None:
             return False
+        if cost_per_token + rival >= 1.0:
+            return True  # no first token gains more than 1: the value is 0, the floor >= 0
         value = value_of_first(first, cost_per_token + rival, self._seqs[seq_id].calib[name].scale)
-        return value - self._revival_cost(name, seq_id, seconds_per_token) <= \
-            self._ask_floor(name, seconds_per_token)
+        floor = self._ask_floor(name, seconds_per_token)
+        # a revival (>= 0) only lowers the value: priced only where the value alone clears the
+        # floor (on rag at c=1 pricing it was a third of this check's ~20 us a step)
+        return value <= floor or \
+            value - self._revival_cost(name, seq_id, seconds_per_token) <= floor
 
     def _ask_floor(self, name: str, seconds_per_token: float) -> float:
         """The value (tokens' worth) a sequence's ask of `name` must beat to be in any set

@@ -109,18 +109,37 @@ def run_requests(tuner, requests, step):
 def test_at_concurrency_1_each_request_starts_again_from_the_untuned_limit():
     """One request's text says little about the next one's: drafting switched off on request 7
     (it gains a token a step but takes 4x plain's time there) is back at the engine's limit for
-    request 8's warm-up, then measured again; the switches off are still counted."""
-    tuner = SpecTuner(TunerConfig(warmup_steps=4), max_n=16)
+    request 8's warm-up (a restart's own, shorter one: the chain has priced its drafters
+    already), then measured again; the switches off are still counted."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=6, restart_warmup_steps=3), max_n=16)
     def step(n):
         return (2, 4.0) if n else (1, 1.0)
 
     first, second = run_requests(tuner, [(7, 60), (8, 6)], step)
-    assert first[:4] == [16] * 4 and first[-20:].count(16) <= 2
-    assert second[:4] == [16] * 4 and second[4] == 0  # warm-up, then measuring
-    assert tuner.summary()["1"]["num_switches_off"] == 1
+    assert first[:6] == [16] * 6 and first[-20:].count(16) <= 2
+    assert second[:3] == [16] * 3 and second[3] == 0  # warm-up, then measuring
+    assert tuner.summary()["1"]["num_switches_off"] == 2  # request 8 measured and off again
     assert tuner.summary()["1"]["steps"] == 66
     # the same request on: no restart, plain again after its two probes
     assert run_requests(tuner, [(8, 40)], step)[0][-20:].count(16) <= 2 and tuner.best(1) == 0
+
+
+def test_a_restarts_prompt_read_is_not_charged_to_drafting():
+    """At a restarted request's first step the drafters read its prompt once (catch-up: here
+    30x a step's time); drafting then pays 1.5x plain. A restart's warm-up is short, and that
+    read would still weigh in the incumbent's recent goodput its first probes of plain are
+    compared with: it is left out, so drafting is kept."""
+    tuner = SpecTuner(TunerConfig(warmup_steps=4, restart_warmup_steps=3), max_n=16)
+    run_requests(tuner, [(1, 60)], lambda n: (2, 4.0) if n else (1, 1.0))
+    assert tuner.best(1) == 0
+    choices = []
+    for i in range(40):
+        n = tuner.choose(1, alone=2)
+        choices.append(n)
+        catch_up = 30.0 if i == 0 else 0.0
+        tuner.observe(1, *((3, 2.0 + catch_up) if n else (1, 1.0)), catch_up_seconds=catch_up)
+    assert choices[:3] == [16] * 3 and choices[-20:] == [16] * 20, choices
+    assert tuner.summary()["1"]["num_switches_off"] == 1
 
 
 def test_a_drafter_that_gains_nothing_stays_off_for_the_next_request():
@@ -163,7 +182,9 @@ def test_requests_after_a_workload_where_drafting_paid_stop_restarting():
     drafted = [c.count(16) for c in second]
     assert all(d >= 32 for d in drafted[:2])  # drafting, the incumbent, carries over at first
     switched = next(i for i, d in enumerate(drafted) if d < 100)  # the request it went off in
-    restarted = [i for i, d in enumerate(drafted) if i > switched and d >= 32]
+    warm = TunerConfig().restart_warmup_steps
+    restarted = [i for i in range(switched + 1, len(second)) if second[i][:warm] == [16] * warm
+                 and second[i - 1][-10:].count(16) <= 2]  # drafting warm-ups after plain
     assert len(restarted) == 4, drafted
     assert [b - a for a, b in zip(restarted[1:], restarted[2:])] == [3, 5], drafted  # backoff
     between = [d for i, d in enumerate(drafted) if i > restarted[1] and i not in restarted]
@@ -182,7 +203,8 @@ def test_a_drafter_switched_off_on_the_first_requests_comes_back_when_it_pays():
     assert losing[0][-20:].count(16) <= 2 and tuner.best(1) == 0
     assert all(c.count(16) <= 8 for c in losing[1:])  # no restart yet: probes at most
     paying = run_requests(tuner, [(10 + i, 130) for i in range(6)], paying_step)
-    assert paying[0][:32] == [16] * 32  # the third request without a restart restarts
+    warm = TunerConfig().restart_warmup_steps
+    assert paying[0][:warm] == [16] * warm  # the third request without a restart restarts
     assert all(c.count(16) >= 120 for c in paying) and tuner.best(1) == 16
 
 
@@ -197,9 +219,10 @@ def test_one_losing_warm_up_does_not_stop_the_restarts():
     run_requests(tuner, [(0, 130)], paying)
     first_loss, second_loss = run_requests(tuner, [(1, 130), (2, 130)], losing)
     assert first_loss[-20:].count(16) <= 2
-    assert second_loss[:32] == [16] * 32 and second_loss[-20:].count(16) <= 2
+    warm = TunerConfig().restart_warmup_steps
+    assert second_loss[:warm] == [16] * warm and second_loss[-20:].count(16) <= 2
     later = run_requests(tuner, [(i, 130) for i in range(3, 6)], paying)
-    assert all(c[:32] == [16] * 32 and c.count(16) >= 120 for c in later)
+    assert all(c[:warm] == [16] * warm and c.count(16) >= 120 for c in later)
 
 
 def test_an_arm_far_behind_is_re_measured_rarer():
