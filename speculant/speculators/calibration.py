@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 NUM_BINS = 10  # probability bins [0, 0.1), ..., [0.9, 1]
 BIN_WEIGHT = 4.0  # pseudo-counts of the drafter's own probability inside a bin's estimate
-SEQ_WEIGHT = 4.0  # pseudo-tokens at ratio 1 inside a sequence's observed / predicted ratio
+SEQ_WEIGHT = 4.0  # pseudo-tokens at the workload's ratio inside a sequence's observed / predicted
+# predicted tokens over which the workload's record fades (`WorkloadScale`): a few requests' asks
+WORKLOAD_TOKENS = 32.0
 MIN_FIRST = 8  # first-token probabilities seen before they price asking the drafter
 PRIOR_FIRST = float(MIN_FIRST)  # first tokens' worth of a shipped calibration prior
 
@@ -186,16 +188,39 @@ def value_of_first(first_rates: list[tuple[float, float]], threshold: float,
 
 
 @dataclass(slots=True)
-class SeqCalibration:
-    """One sequence's record against a drafter's calibration: accepted tokens and the sum of
-    the rates predicted for them."""
+class WorkloadScale:
+    """A drafter's accepted tokens and the rates predicted for them over every sequence's
+    recent judged tokens (each record fades by WORKLOAD_TOKENS per predicted token): how much
+    better or worse than its calibration the drafter does on the text being served lately. A
+    new sequence's scale starts from it (`SeqCalibration`)."""
 
     accepted: float = 0.0
     predicted: float = 0.0
 
+    def record(self, rate: float, hit: bool) -> None:
+        keep = max(0.0, 1.0 - rate / WORKLOAD_TOKENS)
+        self.accepted = keep * self.accepted + float(hit)
+        self.predicted = keep * self.predicted + rate
+
+    @property
+    def ratio(self) -> float:
+        return (self.accepted + SEQ_WEIGHT) / (self.predicted + SEQ_WEIGHT)
+
+
+@dataclass(slots=True)
+class SeqCalibration:
+    """One sequence's record against a drafter's calibration: accepted tokens and the sum of
+    the rates predicted for them; its scale starts from the `workload`'s (1 without one) at
+    SEQ_WEIGHT predicted tokens."""
+
+    accepted: float = 0.0
+    predicted: float = 0.0
+    workload: WorkloadScale | None = None
+
     @property
     def scale(self) -> float:
-        return (self.accepted + SEQ_WEIGHT) / (self.predicted + SEQ_WEIGHT)
+        prior = 1.0 if self.workload is None else self.workload.ratio
+        return (self.accepted + SEQ_WEIGHT * prior) / (self.predicted + SEQ_WEIGHT)
 
 
 def record_judged(cal: ProbCalibration, seq: SeqCalibration, token_probs: list[float],
@@ -206,8 +231,11 @@ def record_judged(cal: ProbCalibration, seq: SeqCalibration, token_probs: list[f
     alone, at its own position)."""
     for i in range(min(known, accepted + 1, len(token_probs))):
         p, hit, pos = token_probs[i], i < accepted, first_pos + i
-        seq.predicted += cal.rate_at(p, pos)
+        rate = cal.rate_at(p, pos)
+        seq.predicted += rate
         seq.accepted += float(hit)
+        if seq.workload is not None:
+            seq.workload.record(rate, hit)
         cal.record(p, hit, pos)
 
 

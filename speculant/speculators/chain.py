@@ -44,6 +44,7 @@ from speculant.speculators.calibration import (
     ProbCalibration,
     SeqCalibration,
     Survival,
+    WorkloadScale,
     calibrated_rates,
     record_judged,
     value_of_first,
@@ -191,6 +192,9 @@ class SpeculatorChain:
         # (from the drafter's shipped prior when it has one: priced from the first round)
         self._calibration = {s.name: ProbCalibration.seeded(s.calibration_prior)
                              for s in speculators if s.is_model_based}
+        # per model drafter: how it does against its calibration on the text served lately,
+        # every sequence's scale starts from it (calibration.WorkloadScale)
+        self._workload = {name: WorkloadScale() for name in self._calibration}
         # per model drafter: what a first forward costs by the sequences asked (call_cost.py)
         self._call_cost = {name: DraftCallCost() for name in self._calibration}
         # Wall time of the engine's steps, measured between draft rounds (the step-cost model's
@@ -255,7 +259,8 @@ class SpeculatorChain:
         self._seqs[seq_id] = _SeqState(types, {t: _context_counters() for t in types},
                                        {t: NO_PROPOSAL for t in types},
                                        num_prompt_tokens=len(prompt_ids))
-        self._seqs[seq_id].calib = {t: SeqCalibration() for t in types if t in self._calibration}
+        self._seqs[seq_id].calib = {t: SeqCalibration(workload=self._workload[t])
+                                    for t in types if t in self._calibration}
         for name in types:
             with self._timed(name, "begin"):
                 self.speculators[name].begin(seq_id, prompt_ids)

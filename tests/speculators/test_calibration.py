@@ -3,9 +3,9 @@ how the chain prices their drafts and asks with it."""
 import pytest
 
 from speculant.speculators.base import Draft, DraftBuilder, DraftParams, DraftRequest, Speculator
-from speculant.speculators.calibration import (BIN_WEIGHT, MIN_FIRST, ProbCalibration,
-                                               SeqCalibration, Survival, calibrated_rates,
-                                               record_judged)
+from speculant.speculators.calibration import (BIN_WEIGHT, MIN_FIRST, WORKLOAD_TOKENS,
+                                               ProbCalibration, SeqCalibration, Survival,
+                                               WorkloadScale, calibrated_rates, record_judged)
 from speculant.speculators.chain import SpeculatorChain
 
 
@@ -42,6 +42,36 @@ def test_a_sequence_where_the_drafter_does_worse_scales_its_rates_down():
     rates = calibrated_rates(cal, seq, [0.8, 0.5])
     assert rates[0] < 0.3 and rates[1] < 0.5 * 0.5
     assert calibrated_rates(cal, other, [0.8])[0] > 0.5
+
+
+def test_a_new_sequence_starts_from_how_the_drafter_did_on_the_recent_ones():
+    """Requests after requests where the drafter's tokens at 0.8 were right 1 time in 5 (the
+    head on retrieved text, where its chat calibration overrates it) start their scale there,
+    not at 1; once the text turns (right 4 times in 5), the next requests start near 1 again
+    within a few dozen predicted tokens."""
+    cal, workload = ProbCalibration.seeded(None), WorkloadScale()
+    for i in range(200):  # calibration learned on chat: right 4 times in 5
+        record_judged(cal, SeqCalibration(), [0.8], known=1, accepted=int(i % 5 != 0))
+    assert SeqCalibration(workload=workload).scale == pytest.approx(1.0)
+    for r in range(8):  # 8 requests of hard text, 5 judged tokens each
+        seq = SeqCalibration(workload=workload)
+        for i in range(5):
+            record_judged(cal, seq, [0.8], known=1, accepted=int(i == 0))
+    fresh = SeqCalibration(workload=workload)
+    assert fresh.scale < 0.5
+    assert calibrated_rates(cal, fresh, [0.8])[0] < 0.5 * calibrated_rates(cal, SeqCalibration(),
+                                                                           [0.8])[0]
+    turned = 0
+    while SeqCalibration(workload=workload).scale < 0.85:
+        seq = SeqCalibration(workload=workload)
+        record_judged(cal, seq, [0.8], known=1, accepted=int(turned % 5 != 0))
+        turned += 1
+    assert turned <= 2 * WORKLOAD_TOKENS
+    # a sequence's own record still outweighs the workload's once it has one
+    own = SeqCalibration(workload=workload)
+    for _ in range(40):
+        record_judged(cal, own, [0.8], known=1, accepted=0)
+    assert own.scale < 0.2
 
 
 def test_first_tokens_are_calibrated_apart_from_later_positions():
