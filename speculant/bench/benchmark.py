@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from speculant.bench.confidence import paired_ratio_interval, prompt_decode
 from speculant.bench.options import (PeerSpec, check_args, is_tuned, merge_spec_options,
                                      parse_compare, parse_levels, parse_method_specs,
                                      wants_another_repeat)
@@ -338,6 +339,7 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         tuner=chosen.tuner,
         rests=chosen.rests,
         token_ids=[[s.output_ids for s in r.seqs] for r in runs],
+        prompt_decode=prompt_decode([r.seqs for r in runs]),
     )
 
 
@@ -359,8 +361,11 @@ def _progress_line(r: RunResult, plain_runs: list[Run]) -> str:
                                      [round(p.request_decode_rate, 2) for p in plain_runs])
         partial = (f", decode-only steps {r.decode_coverage:.0%} of the tokens, per request "
                    f"{per_request:.2f}x")
+    interval = paired_ratio_interval(r.prompt_decode, prompt_decode([p.seqs for p in plain_runs])) \
+        if r.prompt_decode and r.method != PLAIN else None
+    ci = "" if interval is None else f" (95% CI {interval[0]:.2f}-{interval[1]:.2f})"
     return (f"{r.category} c={r.concurrency} {r.method}: {r.decode_tok_s:.1f} tok/s, "
-            f"{speedup:.2f}x, acc.len {r.mean_accepted_length:.2f} "
+            f"{speedup:.2f}x{ci}, acc.len {r.mean_accepted_length:.2f} "
             f"({r.mean_accepted_length_per_draft:.2f} per draft){same}{repeats}{partial}{flag}")
 
 

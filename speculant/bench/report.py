@@ -62,6 +62,14 @@ Result: one method on one category at one concurrency
   request_speedup       the paired speedup of request_decode_tok_s over plain's (null without
                         plain): the figure to read where decode_coverage is low
   request_vs_untuned    METHOD+tuned only: the same over METHOD run without the tuner
+  speedup_ci            [low, high]: the 95% interval of the speedup over plain from a paired
+                        bootstrap over the prompts (each prompt's decode tokens and the time of
+                        the steps that decoded it, summed over repeats; bench/confidence.py):
+                        how far the prompts' spread and the machine's drift leave the ratio
+                        uncertain. At c=1 it brackets `speedup`; at c > 1 a prompt's time
+                        holds its steps shared with the others, as `request_speedup`'s does.
+                        null for plain and where the prompts do not pair up
+  vs_untuned_ci         METHOD+tuned only: the same interval over METHOD run without the tuner
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
   mean_accepted_length_per_draft   1 + accepted / drafts: over the steps that verified a draft
                         only (vLLM's "mean acceptance length"; 1.0 without drafts)
@@ -124,6 +132,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
+from speculant.bench.confidence import paired_ratio_interval
+
 SCHEMA = "speculant-bench/2"
 PLAIN = "plain"
 TUNED_SUFFIX = "+tuned"  # a method run with the online tuner (--tune-compare)
@@ -166,10 +176,17 @@ class RunResult:
     row_cost: float | None = None
     tuner: dict | None = None
     rests: dict | None = None
+    speedup_ci: list[float] | None = None
+    vs_untuned_ci: list[float] | None = None
     token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
+    # per prompt (decode tokens, decode seconds) summed over repeats (confidence.py); not in the JSON
+    prompt_decode: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k != "token_ids"}
+        return {k: v for k, v in asdict(self).items() if k not in _INTERNAL}
+
+
+_INTERNAL = ("token_ids", "prompt_decode")
 
 
 @dataclass(slots=True)
@@ -238,7 +255,18 @@ def fill_speedups(results: list[RunResult]) -> None:
         if r.method.endswith(TUNED_SUFFIX) and twin is not None:
             r.vs_untuned = round(paired_speedup(r.repeats_decode_tok_s, twin.repeats_decode_tok_s), 3)
             r.request_vs_untuned = _request_ratio(r, twin)
+            r.vs_untuned_ci = _interval(r, twin)
         r.request_speedup = _request_ratio(r, plain.get((r.category, r.concurrency)))
+        r.speedup_ci = _interval(r, plain.get((r.category, r.concurrency)))
+
+
+def _interval(r: RunResult, base: RunResult | None) -> list[float] | None:
+    """The 95% interval of r's decode rate over `base`'s, prompts resampled in pairs
+    (confidence.py); None without both's per-prompt times, and for plain over itself."""
+    if base is None or base is r or not r.prompt_decode or not base.prompt_decode:
+        return None
+    interval = paired_ratio_interval(r.prompt_decode, base.prompt_decode)
+    return None if interval is None else [round(x, 3) for x in interval]
 
 
 def _request_ratio(r: RunResult, base: RunResult | None) -> float | None:
@@ -384,11 +412,21 @@ def markdown_table(report: dict) -> str:
                      f"{r['acceptance_rate']:.2f}", f"{100 * r['draft_time_share']:.1f}%", same,
                      f"{r['prefill_tok_s']:.0f}",
                      "yes" if r["interference"] else ""])
+    if any(r.get("speedup_ci") for r in report["results"]):
+        head.append("speedup 95% CI")
+        for row, r in zip(rows, report["results"]):
+            row.append(_interval_text(r.get("speedup_ci")))
     if any(r.get("vs_untuned") is not None for r in report["results"]):
         head.append("vs untuned")
         for row, r in zip(rows, report["results"]):
-            row.append("—" if r.get("vs_untuned") is None else f"{r['vs_untuned']:.3f}x")
+            ci = r.get("vs_untuned_ci")
+            row.append("—" if r.get("vs_untuned") is None else
+                       f"{r['vs_untuned']:.3f}x" + (f" ({_interval_text(ci)})" if ci else ""))
     return markdown(head, rows)
+
+
+def _interval_text(ci: list[float] | None) -> str:
+    return "—" if not ci else f"{ci[0]:.3f}-{ci[1]:.3f}"
 
 
 def peers_table(report: dict) -> str:

@@ -35,7 +35,7 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "other_cpu_cores", "own_cpu_util", "num_reruns", "row_cost", "tuner",
                "rests", "repeats_speedup", "vs_untuned", "decode_coverage",
                "request_decode_tok_s", "repeats_request_decode_tok_s", "request_speedup",
-               "request_vs_untuned"}
+               "request_vs_untuned", "speedup_ci", "vs_untuned_ci"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "min_seconds": 8.0, "max_repeats": 5,
@@ -538,8 +538,10 @@ def test_cli_tune_compare_runs_tuned_twins(tmp_path, capsys):
     """--tune-compare adds METHOD+tuned after each chain: the twin runs with the online tuner
     (its state is reported), the untuned chain without; both equal plain."""
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"id": "t1", "category": "qa", "mode": "chat",
-                                   "turns": ["Name three primary colors."]}) + "\n")
+    prompts.write_text("".join(json.dumps({"id": f"t{i}", "category": "qa", "mode": "chat",
+                                           "turns": [turn]}) + "\n"
+                               for i, turn in enumerate(["Name three primary colors.",
+                                                         "Count from one to ten."])))
     threads = torch.get_num_threads()
     try:
         code = main(["bench", "--prompts", str(prompts), "--max-tokens", "12", "--concurrency", "1",
@@ -548,14 +550,22 @@ def test_cli_tune_compare_runs_tuned_twins(tmp_path, capsys):
     finally:
         torch.set_num_threads(threads)
     assert code == 0
-    report = last_json(capsys)
+    captured = capsys.readouterr()
+    report = json.loads(captured.out.strip().splitlines()[-1])
     assert report["methods"] == ["plain", "suffix", "suffix+tuned"]
     assert report["interleave_s"] == 0.1  # the default: three engines, side by side
     assert all(len(r["repeats_decode_tok_s"]) == 1 for r in report["results"])  # --min-seconds 0
     by = {r["method"]: r for r in report["results"]}
     assert by["suffix"]["tuner"] is None and by["plain"]["tuner"] is None
     assert by["suffix+tuned"]["tuner"]["1"]["steps"] > 0
-    assert by["suffix"]["identical_to_plain"] == by["suffix+tuned"]["identical_to_plain"] == 1
+    assert by["suffix"]["identical_to_plain"] == by["suffix+tuned"]["identical_to_plain"] == 2
+    # two prompts ran side by side in each method: intervals over plain and over the twin
+    assert by["plain"]["speedup_ci"] is None and by["suffix"]["vs_untuned_ci"] is None
+    for r, ratio in ((by["suffix"], "speedup_ci"), (by["suffix+tuned"], "speedup_ci"),
+                     (by["suffix+tuned"], "vs_untuned_ci")):
+        lo, hi = r[ratio]
+        assert 0 < lo <= hi
+    assert "qa c=1 suffix: " in captured.err and "(95% CI " in captured.err
 
 
 def test_cli_methods_with_options_run_on_engines_of_their_own(tmp_path, capsys):

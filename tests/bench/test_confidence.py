@@ -1,0 +1,88 @@
+"""The bench's paired bootstrap over prompts (bench/confidence.py) and its place in the report."""
+import random
+from types import SimpleNamespace as NS
+
+import pytest
+
+from speculant.bench.confidence import paired_ratio_interval, prompt_decode
+from speculant.bench.report import RunResult, build_report, markdown_table
+
+META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 1.0, "model": "/m/model.gguf",
+        "dtype": "auto", "kv_dtype": "float16", "max_tokens": 64, "concurrency": [1],
+        "repeats": 1, "min_seconds": 0.0, "max_repeats": 5, "interleave_s": 0.1,
+        "peer_repeats": 1, "sampling": {}, "methods": ["plain", "suffix", "suffix+tuned"],
+        "method_options": {}, "machine": {"cpu": "c", "num_cpus": 2, "threads": 2}}
+
+
+def noisy_prompts(speedup: float, num_prompts: int, noise: float, seed: int):
+    """Per prompt (tokens, seconds) of a base method and of one `speedup` times faster, each
+    prompt's time moved by up to +-noise (the machine's drift while it ran)."""
+    rng = random.Random(seed)
+    base, other = [], []
+    for _ in range(num_prompts):
+        tokens = rng.randint(50, 255)
+        seconds = tokens / 150.0
+        base.append((tokens, seconds * (1 + rng.uniform(-noise, noise))))
+        other.append((tokens, seconds / speedup * (1 + rng.uniform(-noise, noise))))
+    return other, base
+
+
+def test_the_interval_brackets_the_ratio_and_narrows_with_more_prompts():
+    other, base = noisy_prompts(1.2, 40, 0.05, seed=1)
+    point = (sum(t for t, _ in other) / sum(s for _, s in other)) / \
+        (sum(t for t, _ in base) / sum(s for _, s in base))
+    lo, hi = paired_ratio_interval(other, base)
+    assert lo < point < hi and 1.1 < lo and hi < 1.3
+    wide = paired_ratio_interval(other[:8], base[:8])
+    assert wide[1] - wide[0] > hi - lo  # 8 prompts leave the ratio less sure than 40
+    # noise-free prompts: every resample reads the same ratio
+    exact = [(t, s / 1.5) for t, s in base]
+    assert paired_ratio_interval(exact, base) == pytest.approx((1.5, 1.5))
+    # an equal method: the interval holds 1
+    same_lo, same_hi = paired_ratio_interval(*noisy_prompts(1.0, 40, 0.05, seed=2))
+    assert same_lo < 1.0 < same_hi
+    assert paired_ratio_interval(other, base) == (lo, hi)  # deterministic
+
+
+def test_prompts_that_do_not_pair_give_no_interval():
+    other, base = noisy_prompts(1.2, 10, 0.05, seed=3)
+    assert paired_ratio_interval(other[:9], base) is None
+    assert paired_ratio_interval(other[:1], base[:1]) is None
+    # a prompt that never decoded (one token) is left out of both, not counted as infinitely fast
+    other[0], base[0] = (0, 0.0), (0, 0.0)
+    lo, hi = paired_ratio_interval(other, base)
+    assert 1.1 < lo < hi < 1.3
+
+
+def test_prompt_decode_sums_each_prompts_repeats():
+    repeat_a = [NS(num_generated=11, decode_step_time_s=2.0), NS(num_generated=1, decode_step_time_s=0.0)]
+    repeat_b = [NS(num_generated=11, decode_step_time_s=1.0), NS(num_generated=5, decode_step_time_s=0.5)]
+    assert prompt_decode([repeat_a, repeat_b]) == [(20, 3.0), (4, 0.5)]
+    assert prompt_decode([]) == []
+
+
+def cell(method, rate, prompts):
+    return RunResult(method=method, concurrency=1, category="qa", num_prompts=len(prompts),
+                     prompt_tokens=100, generated_tokens=sum(t for t, _ in prompts),
+                     prefill_tok_s=500.0, decode_tok_s=rate, e2e_tok_s=rate,
+                     mean_accepted_length=1.0, acceptance_rate=0.0, draft_time_share=0.0,
+                     repeats_decode_tok_s=[rate], prompt_decode=prompts)
+
+
+def test_the_report_gives_each_method_its_interval_over_plain_and_the_untuned_twin():
+    faster, plain = noisy_prompts(1.3, 30, 0.05, seed=4)
+    tuned = [(t, s * 0.99) for t, s in faster]
+    results = [cell("plain", 100.0, plain), cell("suffix", 130.0, faster),
+               cell("suffix+tuned", 131.3, tuned)]
+    report = build_report(dict(META), results, [])
+    by = {r["method"]: r for r in report["results"]}
+    assert by["plain"]["speedup_ci"] is None and by["plain"]["vs_untuned_ci"] is None
+    lo, hi = by["suffix"]["speedup_ci"]
+    assert 1.2 < lo < 1.3 < hi < 1.4
+    assert by["suffix"]["vs_untuned_ci"] is None
+    # tuned is the untuned twin 1% faster on every prompt: a narrow interval at 1/0.99
+    assert by["suffix+tuned"]["vs_untuned_ci"] == pytest.approx([1 / 0.99, 1 / 0.99], abs=1e-3)
+    assert "prompt_decode" not in by["suffix"]
+    table = markdown_table(report)
+    assert "speedup 95% CI" in table.splitlines()[0]
+    assert f"{lo:.3f}-{hi:.3f}" in table and "1.010x (1.010-1.010)" in table
