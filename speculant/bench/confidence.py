@@ -5,8 +5,10 @@ moves a ratio is what differs between prompts: their texts (a copy-heavy prompt 
 chatty one does not) and the machine's speed while each ran. Resampling the prompts with
 replacement and recomputing the ratio of the two methods' decode rates over each resample gives
 the ratio's spread; its 2.5th and 97.5th percentiles are the 95% interval. Each prompt brings its
-decode tokens (after its first) and the time of the engine steps that decoded it, summed over the
-cell's repeats, so a resample's rate is its tokens over its time, as the cell's decode rate is.
+share of the decode-only steps (`Sequence.decode_only_tokens`, `decode_only_s`: the tokens it
+committed in them and an equal share of their time), summed over the cell's repeats, so the
+whole cell's tokens over its time is the cell's decode rate at any concurrency, and a resample's
+is the same quantity over the prompts it drew.
 
 Measured why it matters (AMD EPYC Zen 4, 2 threads, 2026-12-07): three engines with the same
 settings, prompts alternating, 12 mt_bench prompts of plain decoding, read 155.2 / 158.1 / 155.9
@@ -23,13 +25,14 @@ SEED = 0
 
 
 def prompt_decode(seqs_per_repeat: list[list]) -> list[tuple[int, float]]:
-    """Per prompt: (decode tokens, decode seconds) summed over repeats; each repeat lists the
-    prompts' sequences in prompt order (`num_generated`, `decode_step_time_s`)."""
+    """Per prompt: (decode tokens, decode seconds) of its share of the decode-only steps,
+    summed over repeats; each repeat lists the prompts' sequences in prompt order
+    (`decode_only_tokens`, `decode_only_s`)."""
     num_prompts = min((len(seqs) for seqs in seqs_per_repeat), default=0)
     out = []
     for i in range(num_prompts):
-        tokens = sum(max(0, seqs[i].num_generated - 1) for seqs in seqs_per_repeat)
-        seconds = sum(seqs[i].decode_step_time_s for seqs in seqs_per_repeat)
+        tokens = sum(seqs[i].decode_only_tokens for seqs in seqs_per_repeat)
+        seconds = sum(seqs[i].decode_only_s for seqs in seqs_per_repeat)
         out.append((tokens, seconds))
     return out
 

@@ -63,12 +63,11 @@ Result: one method on one category at one concurrency
                         plain): the figure to read where decode_coverage is low
   request_vs_untuned    METHOD+tuned only: the same over METHOD run without the tuner
   speedup_ci            [low, high]: the 95% interval of the speedup over plain from a paired
-                        bootstrap over the prompts (each prompt's decode tokens and the time of
-                        the steps that decoded it, summed over repeats; bench/confidence.py):
+                        bootstrap over the prompts (each prompt's share of the decode-only
+                        steps: its tokens in them and an equal share of their time, summed over
+                        repeats, so the cell's whole is its decode rate; bench/confidence.py):
                         how far the prompts' spread and the machine's drift leave the ratio
-                        uncertain. At c=1 it brackets `speedup`; at c > 1 a prompt's time
-                        holds its steps shared with the others, as `request_speedup`'s does.
-                        null for plain and where the prompts do not pair up
+                        uncertain. null for plain and where the prompts do not pair up
   vs_untuned_ci         METHOD+tuned only: the same interval over METHOD run without the tuner
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
   mean_accepted_length_per_draft   1 + accepted / drafts: over the steps that verified a draft
@@ -90,9 +89,11 @@ Result: one method on one category at one concurrency
   tuner                 with --spec-tune (null otherwise, and for plain): per concurrency bucket
                         the draft limit the tuner settled on (`n_max`, 0 = plain decoding), its
                         decode steps, how often it switched speculation off, goodput per limit
-                        and its speedup over plain decoding measured at the same moments, and
+                        and its speedup over plain decoding measured at the same moments,
                         `steps_left_to_chain`: decode steps it left to the chain (every
-                        speculator model-free, 4+ sequences: their own ledger account decides)
+                        speculator model-free, 4+ sequences: their own ledger account decides),
+                        and `plain_probes_skipped`: probes of plain decoding skipped while the
+                        step-cost model put drafting 1.5x or more ahead (`sure_lead`)
   rests                 per model drafter (eagle3, mtp, draft) and concurrency bucket: how often
                         the chain rested it where its measured gain fell under its cost
                         (`num_rests`, `num_rounds_rested`, `resting` at the end of the run;

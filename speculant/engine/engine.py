@@ -367,8 +367,7 @@ class Engine:
         if self.state_rounds:
             self.state_rounds.settle()
         t3 = time.perf_counter()
-        self._account(step, batch.num_tokens, sum(len(u.new_token_ids) for u in updates),
-                      t0, t1, t2, t3)
+        self._account(step, batch.num_tokens, updates, t0, t1, t2, t3)
         return updates
 
     def _step_layers(self, step, chunks: list[SeqChunk]) -> tuple[int, ...]:
@@ -625,8 +624,9 @@ class Engine:
         if seq.spec_types:
             self.chain.end(seq.seq_id)
 
-    def _account(self, step, num_tokens: int, num_new: int, t0, t1, t2, t3) -> None:
+    def _account(self, step, num_tokens: int, updates: list[StepUpdate], t0, t1, t2, t3) -> None:
         s = self.stats
+        num_new = sum(len(u.new_token_ids) for u in updates)
         s.num_steps += 1
         s.num_forward_tokens += num_tokens
         s.time_draft_s += t1 - t0
@@ -644,16 +644,30 @@ class Engine:
             s.num_decode_steps += 1
             s.decode_time_s += t3 - t0
             s.decode_tokens += num_new
+            share = (t3 - t0) / len(step.decode)
+            for seq in step.decode:
+                seq.decode_only_s += share
+            for u in updates:
+                u.seq.decode_only_tokens += len(u.new_token_ids)
             self.cost.observe(len(step.decode), num_tokens, t3 - t1)
             if self._tuner_pulled:
                 self.tuner.observe(len(step.decode), num_new,
                                    self._tuner_seconds(num_tokens, t3 - t0),
-                                   catch_up_seconds=self.chain.round_catch_up_seconds)
+                                   catch_up_seconds=self.chain.round_catch_up_seconds,
+                                   plain_step_s=self._plain_step_seconds(len(step.decode)))
 
     def _tuner_seconds(self, num_tokens: int, measured_s: float) -> float:
         """What the tuner scores a decode step by: its measured time (drafting, forward and
         verification). Tests substitute a cost model to make convergence deterministic."""
         return measured_s
+
+    def _plain_step_seconds(self, num_decoding: int) -> float:
+        """What a plain decode step of `num_decoding` sequences takes now, by the step-cost
+        fit (0 before it has seen enough steps); the tuner reads a drafting incumbent's lead
+        from it. Tests that substitute `_tuner_seconds` substitute this too."""
+        if self.cost.num_observations < self.cost.min_observations:
+            return 0.0
+        return self.cost.seconds_per_token(num_decoding) * num_decoding
 
     # ---- outputs -----------------------------------------------------------------------------
 

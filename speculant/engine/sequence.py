@@ -67,6 +67,11 @@ class Sequence:
     # the engine's own time, which a wall clock from first token to finish is not when several
     # engines take turns on the machine (`speculant bench --interleave`)
     decode_step_time_s: float = 0.0
+    # its share of the decode-only steps (no prompt chunk in them): the tokens it committed in
+    # them and an equal share of their time, so that a run's decode rate (their tokens over
+    # their time) is the sum of its sequences' tokens over the sum of their shares
+    decode_only_tokens: int = 0
+    decode_only_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -36,6 +36,10 @@ six arms chased noise and lost 5-15% to the untuned chain):
   choice costs under 1% in probes and a change in the workload still moves the choice.
   Where speculation does not pay, plain decoding wins within a few dozen steps and the engine
   then drafts nothing; where it pays, the untuned limit is kept unless another is clearly better.
+- plain decoding is not probed at all while the step-cost model puts a drafting incumbent far
+  ahead of it (`TunerConfig.sure_lead`, see `SURE_LEAD_STEPS`): near parity the model's bias
+  is what the paired probes are for, but no bias of its makes a 1.5x lead a loss, and each
+  plain probe under a chain committing 4 tokens a step gives up most of a step.
 """
 from __future__ import annotations
 
@@ -151,6 +155,16 @@ SETTLE_STEPS = 8
 # drafting at 0.5x, then 1.3x, with 2 plain steps of catch-up per probe, is back after 1,331
 # steps at this share (638 without the wait; not within 3,000 at 0.01).
 CATCH_UP_SHARE = 0.02
+# The step-cost model's verdict on a drafting incumbent: over its last ~SURE_LEAD_STEPS steps,
+# the time plain decoding would have taken for the tokens it committed (the model's plain step
+# for that many sequences, per sequence's token) over the time it took. From SURE_LEAD_STEPS
+# such steps on, a verdict of `TunerConfig.sure_lead` or more skips plain's probes. Measured
+# before (issue 18's command, AMD EPYC Zen 4, 2026-12-07, three runs): on 13 code_edit prompts
+# at c=8 the tuned chain ran 9 steps more than the untuned one, plain probes in the batch's
+# tail (buckets 2 and 1, fresh there: the chain decides buckets 4 and 8 itself), where the
+# chain commits ~4 tokens a sequence per step and the decode-only steps that the decode rate
+# is measured on are mostly that tail: 0.950 / 0.976 / 0.992 of the untuned chain.
+SURE_LEAD_STEPS = 16
 
 
 @dataclass(slots=True)
@@ -316,6 +330,13 @@ class BucketState:
     # under a plain incumbent, no probe of drafting before this step (`CATCH_UP_SHARE`)
     catch_up_until: int = 0
     step_s: float = 0.0  # the incumbent's seconds per step, its last ~8 steps
+    # a drafting incumbent's last ~SURE_LEAD_STEPS steps: the model's plain seconds for the
+    # tokens they committed, their measured seconds, and how many there were (since it became
+    # the incumbent); plain probes skipped for its lead (`TunerConfig.sure_lead`)
+    lead_plain_s: float = 0.0
+    lead_seconds: float = 0.0
+    num_lead_steps: int = 0
+    num_probes_skipped: int = 0
     alone: int | None = None  # bucket 1: the sequence that decoded alone in its last step
     pending: list["PendingProbe"] = field(default_factory=list)  # probes not yet scored
     # bumped whenever what `_challenge` reads of the arms changes (a probe pulled or scored, a
@@ -386,7 +407,10 @@ class TunerConfig:
     - confidence: how many standard errors of its measured ratio an arm must also lead
       by to displace the incumbent (the choice is re-checked every step, hence well above 2).
     - prior_rel_sd: the per-step noise assumed before any spread is measured (`PRIOR_STEPS`
-      pseudo-steps of it)."""
+      pseudo-steps of it).
+    - sure_lead: the goodput over plain decoding, as the step-cost model reads a drafting
+      incumbent's recent steps (`SURE_LEAD_STEPS`), from which plain is not probed at all
+      (0: always probed)."""
 
     grid: tuple[int, ...] = DEFAULT_GRID
     warmup_steps: int = 32
@@ -399,6 +423,7 @@ class TunerConfig:
     plain_margin: float = 0.02
     confidence: float = 2.5
     prior_rel_sd: float = 0.3
+    sure_lead: float = 1.5
 
     def __post_init__(self) -> None:
         self.grid = tuple(sorted(set(int(n) for n in self.grid)))
@@ -417,6 +442,8 @@ class TunerConfig:
                              f"{self.margin}, {self.plain_margin}")
         if self.confidence < 0.0 or self.prior_rel_sd < 0.0:
             raise ValueError("tuner: confidence and prior_rel_sd must be >= 0")
+        if self.sure_lead != 0.0 and self.sure_lead <= 1.0:
+            raise ValueError(f"tuner: sure_lead must be > 1 (or 0: off), got {self.sure_lead}")
 
 
 class SpecTuner:
@@ -446,8 +473,10 @@ class SpecTuner:
             state.alone = alone
         arms = state.arms
         if state.measuring:  # once over, the measuring phase stays over (a restart is a new state)
+            sure = self._sure_lead(state)
             unmeasured = [i for i, a in enumerate(arms)
-                          if i != state.incumbent and a.pulls < self.config.min_pulls]
+                          if i != state.incumbent and a.pulls < self.config.min_pulls
+                          and not (sure and a.n_max == 0)]
             state.measuring = bool(unmeasured) and arms[state.incumbent].n_max != 0
         if state.measuring and state.steps - state.start_step < state.warmup_steps:
             index = state.incumbent  # the chain learns first (TunerConfig.warmup_steps)
@@ -469,9 +498,11 @@ class SpecTuner:
         return arms[index].n_max
 
     def observe(self, num_decoding: int, tokens: int, seconds: float,
-                catch_up_seconds: float = 0.0) -> None:
+                catch_up_seconds: float = 0.0, plain_step_s: float = 0.0) -> None:
         """The step that used the last chosen limit committed `tokens` in `seconds`, of which
-        `catch_up_seconds` went to drafters reading tokens committed while they were not asked.
+        `catch_up_seconds` went to drafters reading tokens committed while they were not asked;
+        `plain_step_s`: what the step-cost model says a plain step of `num_decoding` sequences
+        takes now (0: no estimate), which a drafting incumbent's lead is read from.
         A probe is not charged for that: the arm, if chosen, would pay it once, not per step
         (measured on summarization at c=1: a draft-model probe after 127 plain steps took 29 ms,
         15 of them drafting, where the probes around it took 10-12 ms; one such outlier's
@@ -506,6 +537,11 @@ class SpecTuner:
         else:
             state.step_s = seconds if not state.step_s else \
                 (1 - LOCAL_SMOOTHING) * state.step_s + LOCAL_SMOOTHING * seconds
+            if arm.n_max > 0 and plain_step_s > 0 and seconds > 0:
+                keep = 1 - 1 / SURE_LEAD_STEPS
+                state.lead_plain_s = keep * state.lead_plain_s + tokens * plain_step_s / num_decoding
+                state.lead_seconds = keep * state.lead_seconds + seconds
+                state.num_lead_steps += 1
             if state.pending:
                 for probe in state.pending:
                     probe.ref_tokens += tokens
@@ -614,9 +650,9 @@ class SpecTuner:
 
     def summary(self) -> dict:
         """Per concurrency bucket: the chosen limit, steps, switches to plain, goodput per arm
-        and each arm's speedup over plain decoding measured at the same moments, and the decode
+        and each arm's speedup over plain decoding measured at the same moments, the decode
         steps left to the chain (`leave_to_chain`; a bucket the tuner never chose for shows the
-        engine's limit)."""
+        engine's limit), and the probes of plain skipped for a sure lead (`sure_lead`)."""
         out = {}
         for bound in sorted(self._buckets.keys() | self._left_to_chain.keys()):
             s = self._buckets.get(bound)
@@ -628,6 +664,7 @@ class SpecTuner:
                 {str(a.n_max): round(a.goodput, 1) for a in s.arms if a.pulls},
                 "speedup": {} if s is None else _speedups_over_plain(s),
                 "steps_left_to_chain": self._left_to_chain.get(bound, 0),
+                "plain_probes_skipped": 0 if s is None else s.num_probes_skipped,
             }
         return out
 
@@ -652,11 +689,17 @@ class SpecTuner:
                             warmup_steps=self.config.warmup_steps)
         stepped = [b for b, s in self._buckets.items() if s.steps > 0]
         if stepped:
-            nearest = self._buckets[min(stepped, key=lambda b: abs(math.log2(b / bound)))]
+            nearest_bound = min(stepped, key=lambda b: abs(math.log2(b / bound)))
+            nearest = self._buckets[nearest_bound]
             state.incumbent, state.measuring = nearest.incumbent, False
             for arm, known in zip(state.arms, nearest.arms):
                 if known.compared:
                     arm.inherit(known, STALE_WEIGHT)
+            if nearest_bound > bound:
+                # a drafting lead read with more sequences holds with fewer (a verified row
+                # costs a smaller share of a step there): the batch's tail starts from it
+                state.lead_plain_s, state.lead_seconds = nearest.lead_plain_s, nearest.lead_seconds
+                state.num_lead_steps = nearest.num_lead_steps
             others = [a for i, a in enumerate(state.arms) if i != state.incumbent]
             behind = all(a.compared and a.speedup < 1.0 for a in others)
             state.next_explore = self.config.explore_every * (BEHIND_SLOWDOWN if behind else 1)
@@ -744,6 +787,8 @@ class SpecTuner:
         new.forget_comparison()
         state.incumbent = index
         state.version += 1
+        state.lead_plain_s = state.lead_seconds = 0.0  # read anew for the new incumbent
+        state.num_lead_steps = 0
         if new.n_max == 0:
             state.num_switches_off += 1
         else:
@@ -751,6 +796,13 @@ class SpecTuner:
             state.failed_warmups = state.num_backoffs = 0
         state.explore_interval = self.config.explore_every
         state.next_explore = state.steps + state.explore_interval
+
+    def _sure_lead(self, state: BucketState) -> bool:
+        """Whether the step-cost model reads the drafting incumbent's recent steps at
+        `sure_lead` times plain decoding's goodput or more (`SURE_LEAD_STEPS` of them seen)."""
+        return self.config.sure_lead > 0 and state.arms[state.incumbent].n_max > 0 \
+            and state.num_lead_steps >= SURE_LEAD_STEPS \
+            and state.lead_plain_s >= self.config.sure_lead * state.lead_seconds
 
     def _leads(self, arm: ArmStats, state: BucketState) -> bool:
         """Whether `arm` beats the incumbent by the margin and by `confidence` standard errors
@@ -849,7 +901,16 @@ class SpecTuner:
         measuring phase; its unmeasured arms count as open, so they are re-measured here, one
         step every `explore_every`, until they settle.)"""
         arms = state.arms
-        others = [i for i in range(len(arms)) if i != state.incumbent] or [state.incumbent]
+        others = [i for i in range(len(arms)) if i != state.incumbent]
+        if self._sure_lead(state) and any(arms[i].n_max == 0 for i in others):
+            # plain cannot win: not probed, and the pace kept, so that plain is probed within
+            # `explore_every` steps of the lead falling short
+            state.num_probes_skipped += 1
+            others = [i for i in others if arms[i].n_max != 0]
+            if not others:
+                state.next_explore = state.steps + self.config.explore_every
+                return state.incumbent
+        others = others or [state.incumbent]
         upper = {i: self._upper(arms[i]) for i in others}
         open_arms = [i for i in others if self._open(arms[i], state, upper[i])]
         if open_arms:

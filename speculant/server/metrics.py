@@ -124,13 +124,18 @@ def _tuner_metrics(tuner: dict):
     left = CounterMetricFamily(P + "spec_tuner_steps_left_to_chain", "Decode steps whose "
                                "drafting the chain decided itself (its model-free speculators' "
                                "account), by concurrency bucket", labels=["bucket"])
+    skipped = CounterMetricFamily(P + "spec_tuner_plain_probes_skipped", "Probes of plain "
+                                  "decoding the tuner skipped because the step-cost model put "
+                                  "drafting far ahead, by concurrency bucket", labels=["bucket"])
     for bucket, state in tuner.items():
         n_max.add_metric([bucket], state["n_max"])
         off.add_metric([bucket], state["num_switches_off"])
         left.add_metric([bucket], state.get("steps_left_to_chain", 0))
+        skipped.add_metric([bucket], state.get("plain_probes_skipped", 0))
     yield n_max
     yield off
     yield left
+    yield skipped
 
 
 def _rest_metrics(rests: dict):

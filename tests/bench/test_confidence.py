@@ -55,8 +55,8 @@ def test_prompts_that_do_not_pair_give_no_interval():
 
 
 def test_prompt_decode_sums_each_prompts_repeats():
-    repeat_a = [NS(num_generated=11, decode_step_time_s=2.0), NS(num_generated=1, decode_step_time_s=0.0)]
-    repeat_b = [NS(num_generated=11, decode_step_time_s=1.0), NS(num_generated=5, decode_step_time_s=0.5)]
+    repeat_a = [NS(decode_only_tokens=10, decode_only_s=2.0), NS(decode_only_tokens=0, decode_only_s=0.0)]
+    repeat_b = [NS(decode_only_tokens=10, decode_only_s=1.0), NS(decode_only_tokens=4, decode_only_s=0.5)]
     assert prompt_decode([repeat_a, repeat_b]) == [(20, 3.0), (4, 0.5)]
     assert prompt_decode([]) == []
 

@@ -79,6 +79,12 @@ def test_a_sequence_is_timed_over_the_steps_that_decoded_it(default_engine):
         assert seq.prefill_time_s == pytest.approx(pre, rel=1e-9)
         assert seq.decode_step_time_s > 0
         default_engine.release(seq)
+    # each sequence's share of the decode-only steps adds up to the run's decode rate: their
+    # tokens, and their time split evenly between the sequences in them
+    st = default_engine.stats
+    assert sum(s.decode_only_tokens for s in seqs) == st.decode_tokens > 0
+    assert sum(s.decode_only_s for s in seqs) == pytest.approx(st.decode_time_s, rel=1e-9)
+    assert all(s.decode_only_s < s.decode_step_time_s for s in seqs)  # shared and mixed steps
 
 
 def test_max_tokens_and_length_finish(default_engine):

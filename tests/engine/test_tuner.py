@@ -247,10 +247,55 @@ def test_an_arm_far_behind_is_re_measured_rarer():
 
 @pytest.mark.parametrize("bad", [dict(grid=(-1, 2)), dict(min_pulls=0), dict(smoothing=0.0),
                                  dict(explore_every=2048), dict(margin=1.5), dict(plain_margin=-0.1),
-                                 dict(confidence=-1.0), dict(prior_rel_sd=-0.1)])
+                                 dict(confidence=-1.0), dict(prior_rel_sd=-0.1),
+                                 dict(sure_lead=0.9), dict(sure_lead=1.0)])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError, match="tuner"):
         TunerConfig(**bad)
+
+
+def drive(tuner, steps, tokens_s, plain_step_s, num_decoding=2):
+    """`steps` steps of `num_decoding` sequences; `tokens_s(n)`: (tokens, seconds) of a step
+    at draft limit n; the step-cost model's plain step is `plain_step_s` (0: none given)."""
+    choices = []
+    for _ in range(steps):
+        n = tuner.choose(num_decoding)
+        choices.append(n)
+        tuner.observe(num_decoding, *tokens_s(n), plain_step_s=plain_step_s)
+    return choices
+
+
+def copying(n):  # drafting commits 4 tokens a sequence in 1.5 plain steps: 2.67x plain
+    return (8, 1.5) if n else (2, 1.0)
+
+
+def test_plain_is_not_probed_while_the_cost_model_puts_drafting_far_ahead():
+    """A drafting incumbent the step-cost model reads at 2.67x plain: no plain step at all,
+    where without the model's estimate plain is measured and re-measured; with a lead under
+    `sure_lead` (1.2x) plain is probed as before."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    choices = drive(tuner, 400, copying, plain_step_s=1.0)
+    assert choices.count(0) == 0 and tuner.best(2) == 16
+    assert tuner.summary()["2"]["plain_probes_skipped"] > 0
+    # the batch's tail: bucket 1 starts from bucket 2's lead, and probes no plain step either
+    assert drive(tuner, 100, lambda n: (4, 1.5) if n else (1, 1.0), 1.0, num_decoding=1).count(0) == 0
+    blind = drive(SpecTuner(TunerConfig(), max_n=16), 400, copying, plain_step_s=0.0)
+    assert blind.count(0) >= 4
+    off = drive(SpecTuner(TunerConfig(sure_lead=0.0), max_n=16), 400, copying, plain_step_s=1.0)
+    assert off.count(0) >= 4
+    modest = drive(SpecTuner(TunerConfig(), max_n=16), 400,
+                   lambda n: (3, 1.25) if n else (2, 1.0), plain_step_s=1.0)  # 1.2x
+    assert modest.count(0) >= 4
+    assert SpecTuner(TunerConfig(), max_n=16).summary() == {}
+
+
+def test_plain_is_probed_again_once_the_lead_falls_short():
+    """The text turns: drafting now commits what plain commits, slower. Within a few dozen
+    steps of the lead falling under `sure_lead` plain is probed, and it takes over."""
+    tuner = SpecTuner(TunerConfig(), max_n=16)
+    drive(tuner, 300, copying, plain_step_s=1.0)
+    after = drive(tuner, 200, lambda n: (2, 1.3) if n else (2, 1.0), plain_step_s=1.0)
+    assert 0 in after[:40] and tuner.best(2) == 0
 
 
 ROW_COST = 0.2  # a verified row's price as a fraction of a step (this CPU measures 0.2-0.3)
@@ -264,6 +309,7 @@ def synthetic_engine(rate):
                     spec_options={"synthetic": {"rates": [rate]}}, num_threads=TEST_THREADS,
                     kv_cache_tokens=8192)
     engine._tuner_seconds = lambda num_tokens, measured_s: 1.0 + ROW_COST * (num_tokens - 1)
+    engine._plain_step_seconds = lambda num_decoding: 1.0  # the same model's plain step
     return engine
 
 

@@ -17,6 +17,8 @@ def test_tuner_choice_and_switches_are_exported():
     assert f'speculant:spec_tuner_n_max{{bucket="1"}} {float(chosen)}' in text
     assert 'speculant:spec_tuner_switches_off_total{bucket="1"}' in text
     assert 'speculant:spec_tuner_steps_left_to_chain_total{bucket="1"} 0.0' in text
+    skipped = engine.status().tuner["1"]["plain_probes_skipped"]
+    assert f'speculant:spec_tuner_plain_probes_skipped_total{{bucket="1"}} {float(skipped)}' in text
 
 
 def test_steps_left_to_the_chain_are_exported():
