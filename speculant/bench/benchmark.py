@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from speculant.bench.confidence import paired_ratio_interval, prompt_decode
+from speculant.bench.confidence import paired_ratio_interval, prompt_decode, ratio_interval
 from speculant.bench.options import (PeerSpec, check_args, is_tuned, merge_spec_options,
                                      parse_compare, parse_levels, parse_method_specs,
                                      wants_another_repeat)
@@ -340,7 +340,17 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         rests=chosen.rests,
         token_ids=[[s.output_ids for s in r.seqs] for r in runs],
         prompt_decode=prompt_decode([r.seqs for r in runs]),
+        mean_accepted_length_ci=_accepted_length_interval(seqs),
     )
+
+
+def _accepted_length_interval(seqs) -> list[float] | None:
+    """The 95% interval of 1 + accepted / steps over the run's prompts resampled (None without
+    drafts)."""
+    if not any(s.spec.num_drafts for s in seqs):
+        return None
+    interval = ratio_interval([(s.spec.num_accepted_tokens, s.spec.num_steps) for s in seqs])
+    return None if interval is None else [round(1 + x, 3) for x in interval]
 
 
 def _num_identical(runs: list[Run], plain: Run) -> int:
@@ -364,8 +374,10 @@ def _progress_line(r: RunResult, plain_runs: list[Run]) -> str:
     interval = paired_ratio_interval(r.prompt_decode, prompt_decode([p.seqs for p in plain_runs])) \
         if r.prompt_decode and r.method != PLAIN else None
     ci = "" if interval is None else f" (95% CI {interval[0]:.2f}-{interval[1]:.2f})"
+    acc = "" if not r.mean_accepted_length_ci else \
+        f" [{r.mean_accepted_length_ci[0]:.2f}-{r.mean_accepted_length_ci[1]:.2f}]"
     return (f"{r.category} c={r.concurrency} {r.method}: {r.decode_tok_s:.1f} tok/s, "
-            f"{speedup:.2f}x{ci}, acc.len {r.mean_accepted_length:.2f} "
+            f"{speedup:.2f}x{ci}, acc.len {r.mean_accepted_length:.2f}{acc} "
             f"({r.mean_accepted_length_per_draft:.2f} per draft){same}{repeats}{partial}{flag}")
 
 

@@ -45,14 +45,36 @@ def paired_ratio_interval(other: list[tuple[int, float]], base: list[tuple[int, 
     fewer than 2 prompts decoded in both. Deterministic for a given seed."""
     if len(other) != len(base):
         return None
-    pairs = [(o, b) for o, b in zip(other, base) if o[1] > 0 and b[1] > 0 and o[0] > 0 and b[0] > 0]
-    if len(pairs) < 2:
+    rows = [(*o, *b) for o, b in zip(other, base) if o[1] > 0 and b[1] > 0 and o[0] > 0 and b[0] > 0]
+    if len(rows) < 2:
         return None
-    data = torch.tensor([[o[0], o[1], b[0], b[1]] for o, b in pairs], dtype=torch.float64)  # [P, 4]
+    sums = _resampled_sums(rows, num_resamples, seed)  # [R, 4]
+    return _interval((sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3]), level)
+
+
+def ratio_interval(parts: list[tuple[float, float]], level: float = LEVEL,
+                   num_resamples: int = NUM_RESAMPLES, seed: int = SEED
+                   ) -> tuple[float, float] | None:
+    """The `level` interval of sum(a) / sum(b) over the prompts' (a, b) resampled, e.g. one
+    method's accepted tokens over its verification steps; None with fewer than 2 prompts that
+    have b > 0."""
+    rows = [p for p in parts if p[1] > 0]
+    if len(rows) < 2:
+        return None
+    sums = _resampled_sums(rows, num_resamples, seed)  # [R, 2]
+    return _interval(sums[:, 0] / sums[:, 1], level)
+
+
+def _resampled_sums(rows: list[tuple[float, ...]], num_resamples: int, seed: int) -> torch.Tensor:
+    """rows [P, k] -> their column sums over `num_resamples` draws of P rows with replacement
+    [R, k]."""
+    data = torch.tensor(rows, dtype=torch.float64)  # [P, k]
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(pairs), (num_resamples, len(pairs)), generator=gen)  # [R, P]
-    sums = data[idx].sum(dim=1)  # [R, 4]
-    ratios = (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])  # [R]
+    idx = torch.randint(len(rows), (num_resamples, len(rows)), generator=gen)  # [R, P]
+    return data[idx].sum(dim=1)
+
+
+def _interval(values: torch.Tensor, level: float) -> tuple[float, float]:
     tail = (1.0 - level) / 2
-    lo, hi = torch.quantile(ratios, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    lo, hi = torch.quantile(values, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
     return lo, hi

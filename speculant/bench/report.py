@@ -69,6 +69,12 @@ Result: one method on one category at one concurrency
                         how far the prompts' spread and the machine's drift leave the ratio
                         uncertain. null for plain and where the prompts do not pair up
   vs_untuned_ci         METHOD+tuned only: the same interval over METHOD run without the tuner
+  mean_accepted_length_ci   [low, high]: the 95% interval of mean_accepted_length over the kept
+                        repeat's prompts resampled (null without drafts)
+  prompt_decode         per prompt, in prompt order: [decode tokens, decode seconds], its share
+                        of the decode-only steps summed over repeats (what the intervals
+                        resample: two methods' lists pair up prompt by prompt, e.g. for
+                        `confidence.paired_ratio_interval` between any two of them)
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
   mean_accepted_length_per_draft   1 + accepted / drafts: over the steps that verified a draft
                         only (vLLM's "mean acceptance length"; 1.0 without drafts)
@@ -179,15 +185,16 @@ class RunResult:
     rests: dict | None = None
     speedup_ci: list[float] | None = None
     vs_untuned_ci: list[float] | None = None
-    token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
-    # per prompt (decode tokens, decode seconds) summed over repeats (confidence.py); not in the JSON
+    mean_accepted_length_ci: list[float] | None = None
+    # per prompt [decode tokens, decode seconds] of its share of the decode-only steps, summed
+    # over repeats (confidence.py)
     prompt_decode: list = field(default_factory=list)
+    token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if k not in _INTERNAL}
-
-
-_INTERNAL = ("token_ids", "prompt_decode")
+        out = {k: v for k, v in asdict(self).items() if k != "token_ids"}
+        out["prompt_decode"] = [[n, round(t, 6)] for n, t in self.prompt_decode]
+        return out
 
 
 @dataclass(slots=True)
@@ -413,6 +420,10 @@ def markdown_table(report: dict) -> str:
                      f"{r['acceptance_rate']:.2f}", f"{100 * r['draft_time_share']:.1f}%", same,
                      f"{r['prefill_tok_s']:.0f}",
                      "yes" if r["interference"] else ""])
+    if any(r.get("mean_accepted_length_ci") for r in report["results"]):
+        head.append("acc.len 95% CI")
+        for row, r in zip(rows, report["results"]):
+            row.append(_interval_text(r.get("mean_accepted_length_ci")))
     if any(r.get("speedup_ci") for r in report["results"]):
         head.append("speedup 95% CI")
         for row, r in zip(rows, report["results"]):

@@ -4,7 +4,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from speculant.bench.confidence import paired_ratio_interval, prompt_decode
+from speculant.bench.benchmark import _accepted_length_interval
+from speculant.bench.confidence import paired_ratio_interval, prompt_decode, ratio_interval
 from speculant.bench.report import RunResult, build_report, markdown_table
 
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 1.0, "model": "/m/model.gguf",
@@ -82,7 +83,25 @@ def test_the_report_gives_each_method_its_interval_over_plain_and_the_untuned_tw
     assert by["suffix"]["vs_untuned_ci"] is None
     # tuned is the untuned twin 1% faster on every prompt: a narrow interval at 1/0.99
     assert by["suffix+tuned"]["vs_untuned_ci"] == pytest.approx([1 / 0.99, 1 / 0.99], abs=1e-3)
-    assert "prompt_decode" not in by["suffix"]
+    assert len(by["suffix"]["prompt_decode"]) == 30  # the pairs any two methods resample
+    assert paired_ratio_interval(by["suffix+tuned"]["prompt_decode"], by["suffix"]["prompt_decode"]) \
+        == pytest.approx(by["suffix+tuned"]["vs_untuned_ci"], abs=2e-3)
     table = markdown_table(report)
     assert "speedup 95% CI" in table.splitlines()[0]
     assert f"{lo:.3f}-{hi:.3f}" in table and "1.010x (1.010-1.010)" in table
+
+
+def test_the_accepted_length_has_its_interval_over_the_prompts():
+    """1 + accepted / steps over the prompts resampled: it holds the run's figure, narrows when
+    the prompts agree, and there is none without drafts."""
+    def seq(accepted, steps, drafts=1):
+        return NS(spec=NS(num_accepted_tokens=accepted, num_steps=steps, num_drafts=drafts))
+
+    rng = random.Random(5)
+    seqs = [seq(rng.randint(60, 200), 128) for _ in range(30)]
+    point = 1 + sum(s.spec.num_accepted_tokens for s in seqs) / sum(s.spec.num_steps for s in seqs)
+    lo, hi = _accepted_length_interval(seqs)
+    assert lo < point < hi and hi - lo < 0.3
+    assert _accepted_length_interval([seq(100, 100) for _ in range(5)]) == [2.0, 2.0]
+    assert _accepted_length_interval([seq(0, 100, drafts=0) for _ in range(5)]) is None
+    assert ratio_interval([(3, 0), (5, 10)]) is None  # one prompt with steps: no spread to read
