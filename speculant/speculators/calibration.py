@@ -114,6 +114,7 @@ class ProbCalibration:
     # `first_rates` as of the last record (read every round, changed only by a judged or
     # proposed token: a head the chain rarely asks recomputed it ~500 times per prompt)
     _first_rates: list | None = field(default=None, repr=False, compare=False)
+    _first_best: float = field(default=0.0, repr=False, compare=False)  # their highest rate
 
     def rate(self, p: float) -> float:
         """Expected acceptance of a token the drafter gave probability p (its earlier tokens
@@ -185,7 +186,16 @@ class ProbCalibration:
             self._first_rates = [
                 (self.first[b] / num, self.first_rate(self.first_prob[b] / self.first[b]))
                 for b in range(NUM_BINS) if self.first[b]]
+            self._first_best = max(rate for _, rate in self._first_rates)
         return self._first_rates
+
+    def value_bound(self, threshold: float, scale: float = 1.0) -> float | None:
+        """An upper bound of `value_of_first` (its shares sum to 1): what the best bin's rate
+        gains beyond `threshold`, without a pass over the bins (None before MIN_FIRST first
+        tokens). Where a rival draft leaves less than a call's share to gain, this settles it."""
+        if self.first_rates() is None:
+            return None
+        return max(0.0, min(1.0, scale * self._first_best) - threshold)
 
 
 def value_of_first(first_rates: list[tuple[float, float]], threshold: float,

@@ -178,6 +178,10 @@ class SpeculatorChain:
         if len(set(names)) != len(names):
             raise ValueError(f"speculator listed twice in the chain: {names}")
         self.speculators = {s.name: s for s in speculators}
+        # a round asks the model-free speculators first (`draft`); the speculators that read
+        # the target's features (`feature_rows`): fixed at load, not sorted or tested per step
+        self._draft_order = sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based)
+        self._feature_readers = {s.name: s for s in speculators if s.hidden_layers}
         self.stats = {name: SpeculatorStats() for name in names}
         self.probe_interval = probe_interval
         self._clock = clock  # seconds; a test drives its own
@@ -239,9 +243,11 @@ class SpeculatorChain:
         """Of a chunk of `num_tokens` tokens of sequence `seq_id` (`tokens_after` prompt tokens
         after it), how many (the newest) the speculators `types` read the target's features of
         (0 when none reads them now)."""
-        return max((self.speculators[name].feature_rows(seq_id, num_tokens, tokens_after)
-                    for name in types
-                    if self.speculators[name].hidden_layers), default=0)
+        readers = self._feature_readers
+        if not readers:
+            return 0
+        return max((readers[name].feature_rows(seq_id, num_tokens, tokens_after)
+                    for name in types if name in readers), default=0)
 
     def check_types(self, types) -> tuple[str, ...]:
         unknown = [t for t in types if t not in self.speculators]
@@ -330,7 +336,7 @@ class SpeculatorChain:
         # best_of: seq_id -> (proposals judged, best draft, its gain), reused for the winner
         # when no model drafter added a proposal since (judging is ~20 us a sequence)
         best_of: dict[int, tuple] = {}
-        for name, spec in sorted(self.speculators.items(), key=lambda kv: kv[1].is_model_based):
+        for name, spec in self._draft_order:
             mine = [r for r in requests if name in self._seqs[r.seq_id].types]
             if spec.is_model_based and mine and self._rests(name, spec, mine, bucket):
                 continue
@@ -627,8 +633,13 @@ class SpeculatorChain:
             return False
         if cost_per_token + rival >= 1.0:
             return True  # no first token gains more than 1: the value is 0, the floor >= 0
-        value = value_of_first(first, cost_per_token + rival, self._seqs[seq_id].calib[name].scale)
+        scale = self._seqs[seq_id].calib[name].scale
         floor = self._ask_floor(name, seconds_per_token)
+        # the best bin's gain bounds the value: where even that is below the floor, the pass
+        # over the bins is not needed (exact: the same verdict)
+        if cal.value_bound(cost_per_token + rival, scale) <= floor:
+            return True
+        value = value_of_first(first, cost_per_token + rival, scale)
         # a revival (>= 0) only lowers the value: priced only where the value alone clears the
         # floor (on rag at c=1 pricing it was a third of this check's ~20 us a step)
         return value <= floor or \

@@ -122,6 +122,32 @@ def test_value_of_asking_counts_only_tokens_worth_verifying():
     assert cal.value_of_first(0.99) == 0.0
 
 
+def test_the_value_bound_never_undercuts_the_value_and_follows_every_record():
+    """`value_bound` (the best bin's gain, what `_outbid` checks before the pass over the
+    bins) is never below `value_of_first` for any threshold and scale, equals it when every
+    first token falls in one bin, and moves with the records as the value does."""
+    import random
+
+    rng = random.Random(7)
+    cal = ProbCalibration()
+    assert cal.value_bound(0.3) is None
+    for _ in range(MIN_FIRST):
+        cal.record_first(0.95)
+    for t in (0.0, 0.3, 0.9, 1.2):
+        assert cal.value_bound(t) == pytest.approx(cal.value_of_first(t))
+    for _ in range(300):
+        p = rng.random()
+        if rng.random() < 0.5:
+            cal.record_first(p)
+        else:
+            cal.record(p, rng.random() < p, pos=0)
+        t, scale = rng.uniform(0.0, 1.1), rng.uniform(0.3, 1.5)
+        assert cal.value_bound(t, scale) >= cal.value_of_first(t, scale) - 1e-12
+    cal.record_first(0.05)  # a new unsure bin lowers the value; the best bin stays
+    best = max(rate for _, rate in cal.first_rates())
+    assert cal.value_bound(0.2) == pytest.approx(max(0.0, min(1.0, best) - 0.2))
+
+
 def test_draft_builder_stops_where_the_run_no_longer_pays():
     params = DraftParams(n_max=8, p_min_run=0.3)
     grow = DraftBuilder()
