@@ -25,7 +25,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from speculant.bench.confidence import paired_ratio_interval, prompt_decode, ratio_interval
+from speculant.bench.confidence import (paired_repeats_interval, prompt_decode,
+                                        prompt_decode_repeats, ratio_interval)
 from speculant.bench.options import (PeerSpec, check_args, is_tuned, merge_spec_options,
                                      parse_compare, parse_levels, parse_method_specs,
                                      wants_another_repeat)
@@ -340,6 +341,7 @@ def _result(name: str, category: str, level: int, runs: list[Run],
         rests=chosen.rests,
         token_ids=[[s.output_ids for s in r.seqs] for r in runs],
         prompt_decode=prompt_decode([r.seqs for r in runs]),
+        prompt_decode_repeats=prompt_decode_repeats([r.seqs for r in runs]),
         mean_accepted_length_ci=_accepted_length_interval(seqs),
     )
 
@@ -371,8 +373,9 @@ def _progress_line(r: RunResult, plain_runs: list[Run]) -> str:
                                      [round(p.request_decode_rate, 2) for p in plain_runs])
         partial = (f", decode-only steps {r.decode_coverage:.0%} of the tokens, per request "
                    f"{per_request:.2f}x")
-    interval = paired_ratio_interval(r.prompt_decode, prompt_decode([p.seqs for p in plain_runs])) \
-        if r.prompt_decode and r.method != PLAIN else None
+    interval = paired_repeats_interval(r.prompt_decode_repeats,
+                                       prompt_decode_repeats([p.seqs for p in plain_runs])) \
+        if r.prompt_decode_repeats and r.method != PLAIN else None
     ci = "" if interval is None else f" (95% CI {interval[0]:.2f}-{interval[1]:.2f})"
     acc = "" if not r.mean_accepted_length_ci else \
         f" [{r.mean_accepted_length_ci[0]:.2f}-{r.mean_accepted_length_ci[1]:.2f}]"

@@ -72,9 +72,12 @@ Result: one method on one category at one concurrency
   mean_accepted_length_ci   [low, high]: the 95% interval of mean_accepted_length over the kept
                         repeat's prompts resampled (null without drafts)
   prompt_decode         per prompt, in prompt order: [decode tokens, decode seconds], its share
-                        of the decode-only steps summed over repeats (what the intervals
-                        resample: two methods' lists pair up prompt by prompt, e.g. for
-                        `confidence.paired_ratio_interval` between any two of them)
+                        of the decode-only steps summed over repeats (two methods' lists pair
+                        up prompt by prompt, e.g. for `confidence.paired_ratio_interval`
+                        between any two of them: the ratio pooled over the repeats)
+  prompt_decode_repeats the same per repeat, unsummed: what speedup_ci and vs_untuned_ci
+                        resample (`confidence.paired_repeats_interval`: the median over
+                        repeats of the paired ratios, the statistic speedup and vs_untuned are)
   mean_accepted_length  1 + accepted / verification steps (1.0 for plain)
   mean_accepted_length_per_draft   1 + accepted / drafts: over the steps that verified a draft
                         only (vLLM's "mean acceptance length"; 1.0 without drafts)
@@ -139,7 +142,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 
-from speculant.bench.confidence import paired_ratio_interval
+from speculant.bench.confidence import paired_ratio_interval, paired_repeats_interval
 
 SCHEMA = "speculant-bench/2"
 PLAIN = "plain"
@@ -189,11 +192,15 @@ class RunResult:
     # per prompt [decode tokens, decode seconds] of its share of the decode-only steps, summed
     # over repeats (confidence.py)
     prompt_decode: list = field(default_factory=list)
+    # ... and per repeat, unsummed: what the intervals resample, as the speedups pair repeats
+    prompt_decode_repeats: list = field(default_factory=list)
     token_ids: list = field(default_factory=list)  # per prompt, per repeat; not in the JSON
 
     def to_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k != "token_ids"}
         out["prompt_decode"] = [[n, round(t, 6)] for n, t in self.prompt_decode]
+        out["prompt_decode_repeats"] = [[[n, round(t, 6)] for n, t in repeat]
+                                        for repeat in self.prompt_decode_repeats]
         return out
 
 
@@ -273,7 +280,10 @@ def _interval(r: RunResult, base: RunResult | None) -> list[float] | None:
     (confidence.py); None without both's per-prompt times, and for plain over itself."""
     if base is None or base is r or not r.prompt_decode or not base.prompt_decode:
         return None
-    interval = paired_ratio_interval(r.prompt_decode, base.prompt_decode)
+    if r.prompt_decode_repeats and base.prompt_decode_repeats:
+        interval = paired_repeats_interval(r.prompt_decode_repeats, base.prompt_decode_repeats)
+    else:  # a result given only the summed lists
+        interval = paired_ratio_interval(r.prompt_decode, base.prompt_decode)
     return None if interval is None else [round(x, 3) for x in interval]
 
 

@@ -36,7 +36,7 @@ RESULT_KEYS = {"method", "category", "concurrency", "num_prompts", "prompt_token
                "rests", "repeats_speedup", "vs_untuned", "decode_coverage",
                "request_decode_tok_s", "repeats_request_decode_tok_s", "request_speedup",
                "request_vs_untuned", "speedup_ci", "vs_untuned_ci", "mean_accepted_length_ci",
-               "prompt_decode"}
+               "prompt_decode", "prompt_decode_repeats"}
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 12.5, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16",
         "max_tokens": 64, "concurrency": [1, 8], "repeats": 1, "min_seconds": 8.0, "max_repeats": 5,

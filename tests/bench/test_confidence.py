@@ -5,8 +5,9 @@ from types import SimpleNamespace as NS
 import pytest
 
 from speculant.bench.benchmark import _accepted_length_interval
-from speculant.bench.confidence import paired_ratio_interval, prompt_decode, ratio_interval
-from speculant.bench.report import RunResult, build_report, markdown_table
+from speculant.bench.confidence import (paired_ratio_interval, paired_repeats_interval,
+                                        prompt_decode, prompt_decode_repeats, ratio_interval)
+from speculant.bench.report import RunResult, build_report, markdown_table, paired_speedup
 
 META = {"date": "2025-05-01T10:20:30+00:00", "elapsed_s": 1.0, "model": "/m/model.gguf",
         "dtype": "auto", "kv_dtype": "float16", "max_tokens": 64, "concurrency": [1],
@@ -60,6 +61,65 @@ def test_prompt_decode_sums_each_prompts_repeats():
     repeat_b = [NS(decode_only_tokens=10, decode_only_s=1.0), NS(decode_only_tokens=4, decode_only_s=0.5)]
     assert prompt_decode([repeat_a, repeat_b]) == [(20, 3.0), (4, 0.5)]
     assert prompt_decode([]) == []
+
+
+def rate(prompts):
+    return sum(t for t, _ in prompts) / sum(s for _, s in prompts)
+
+
+def test_with_repeats_the_interval_is_of_the_median_of_the_paired_repeats():
+    """Three repeats side by side where the method ran 1.2x its base twice and 0.9x once (the
+    machine slowed it in that repeat only): the bench reports the median of the paired repeat
+    ratios, 1.2, and the interval must be of that statistic: it holds 1.2, where the ratio
+    pooled over the repeats (the summed lists) sits lower and its interval misses 1.2. One
+    repeat each gives `paired_ratio_interval`'s interval exactly; repeats that do not pair up
+    fall back to the pooled one."""
+    other, base = noisy_prompts(1.2, 30, 0.03, seed=6)
+    slow = [(t, s * 1.2 / 0.9) for t, s in other]  # the third repeat: 0.9x its base
+    other_repeats, base_repeats = [other, other, slow], [base, base, base]
+    point = paired_speedup([rate(o) for o in other_repeats], [rate(b) for b in base_repeats])
+    lo, hi = paired_repeats_interval(other_repeats, base_repeats)
+    assert lo <= point <= hi and point == pytest.approx(rate(other) / rate(base))
+    summed = [(a + b + c, x + y + z) for (a, x), (b, y), (c, z) in zip(other, other, slow)]
+    summed_base = [(3 * t, 3 * s) for t, s in base]
+    pooled_lo, pooled_hi = paired_ratio_interval(summed, summed_base)
+    assert pooled_hi < point  # what the report showed before: an interval beside its figure
+    assert paired_repeats_interval([other], [base]) == paired_ratio_interval(other, base)
+    assert paired_repeats_interval([other, slow], [base]) == \
+        paired_ratio_interval([(a + b, x + y) for (a, x), (b, y) in zip(other, slow)], base)
+    assert paired_repeats_interval([], [base]) is None
+    assert paired_repeats_interval(other_repeats, base_repeats) == (lo, hi)  # deterministic
+
+
+def test_prompt_decode_repeats_keeps_each_repeat_apart():
+    repeat_a = [NS(decode_only_tokens=10, decode_only_s=2.0), NS(decode_only_tokens=0, decode_only_s=0.0)]
+    repeat_b = [NS(decode_only_tokens=10, decode_only_s=1.0), NS(decode_only_tokens=4, decode_only_s=0.5)]
+    assert prompt_decode_repeats([repeat_a, repeat_b]) == [[(10, 2.0), (0, 0.0)], [(10, 1.0), (4, 0.5)]]
+    assert prompt_decode_repeats([]) == []
+
+
+def test_the_reported_ratio_lies_inside_its_interval_with_repeats():
+    """A tuned twin 1.1x in two repeats of three and 0.95x in the third: vs_untuned is the
+    median of the repeats' ratios and vs_untuned_ci brackets it; the JSON carries both the
+    summed and the per-repeat per-prompt lists."""
+    untuned, _ = noisy_prompts(1.0, 25, 0.03, seed=7)
+    tuned = [(t, s / 1.1) for t, s in untuned]
+    tuned_slow = [(t, s / 0.95) for t, s in untuned]
+    results = []
+    for method, repeats in (("plain", [untuned] * 3), ("suffix", [untuned] * 3),
+                            ("suffix+tuned", [tuned, tuned, tuned_slow])):
+        r = cell(method, rate(repeats[0]), [(sum(p[i][0] for p in repeats),
+                                             sum(p[i][1] for p in repeats))
+                                            for i in range(25)])
+        r.repeats_decode_tok_s = [rate(p) for p in repeats]
+        r.prompt_decode_repeats = repeats
+        results.append(r)
+    report = build_report(dict(META), results, [])
+    by = {r["method"]: r for r in report["results"]}
+    t = by["suffix+tuned"]
+    assert t["vs_untuned"] == pytest.approx(1.1, abs=1e-3)
+    assert t["vs_untuned_ci"][0] <= t["vs_untuned"] <= t["vs_untuned_ci"][1]
+    assert len(t["prompt_decode_repeats"]) == 3 and len(t["prompt_decode_repeats"][0]) == 25
 
 
 def cell(method, rate, prompts):
