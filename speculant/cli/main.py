@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parity_args(parity)
 
+    pair = sub.add_parser("bench-pair", help="two methods of one bench JSON, paired prompt by prompt")
+    from speculant.bench.pair import add_pair_args
+
+    add_pair_args(pair)
+
     tune = sub.add_parser("tune", help="search draft limits on a prompt set; write --spec-params FILE")
     from speculant.cli.tune import add_tune_args
 
@@ -106,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             from speculant.bench.benchmark import run_bench
 
             return run_bench(args)
+        if args.command == "bench-pair":
+            from speculant.bench.pair import run_pair
+
+            return run_pair(args)
         if args.command == "tune":
             from speculant.cli.tune import run_tune
 
