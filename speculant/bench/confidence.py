@@ -62,7 +62,9 @@ def paired_repeats_interval(other: list[list[tuple[int, float]]],
         return None
     if len(other) != len(base) or any(len(o) != len(b) for o, b in zip(other, base)) \
             or len({len(o) for o in other}) != 1:
-        return paired_ratio_interval(_summed(other), _summed(base), level, num_resamples, seed)
+        other, base = [_summed(other)], [_summed(base)]  # pooled over the repeats
+        if len(other[0]) != len(base[0]):
+            return None
     summed_o, summed_b = _summed(other), _summed(base)
     keep = [i for i, (o, b) in enumerate(zip(summed_o, summed_b))
             if o[0] > 0 and o[1] > 0 and b[0] > 0 and b[1] > 0]
@@ -92,14 +94,11 @@ def paired_ratio_interval(other: list[tuple[int, float]], base: list[tuple[int, 
                           seed: int = SEED) -> tuple[float, float] | None:
     """The `level` interval of (other's decode rate) / (base's) over prompts resampled in pairs
     (prompt i of `other` ran beside prompt i of `base`); None when the two do not pair up or
-    fewer than 2 prompts decoded in both. Deterministic for a given seed."""
+    fewer than 2 prompts decoded in both (a prompt that did not decode in either is left out of
+    both). Deterministic for a given seed. One repeat of `paired_repeats_interval`."""
     if len(other) != len(base):
         return None
-    rows = [(*o, *b) for o, b in zip(other, base) if o[1] > 0 and b[1] > 0 and o[0] > 0 and b[0] > 0]
-    if len(rows) < 2:
-        return None
-    sums = _resampled_sums(rows, num_resamples, seed)  # [R, 4]
-    return _interval((sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3]), level)
+    return paired_repeats_interval([other], [base], level, num_resamples, seed)
 
 
 def ratio_interval(parts: list[tuple[float, float]], level: float = LEVEL,
